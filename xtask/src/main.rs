@@ -1,0 +1,53 @@
+//! `cargo xtask`: the project's automation, in Rust so that it runs wherever
+//! cargo does. Each subcommand lives in its own module; `main` only dispatches.
+
+mod bindgen_cmd;
+
+use std::path::PathBuf;
+
+const USAGE: &str = "\
+usage: cargo xtask <command> [options]
+
+commands:
+  bindgen [--check]   regenerate crates/cuda-sys and crates/nccl-sys bindings
+                      (--check: fail if the committed output differs)
+";
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let code = match run(&args) {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("xtask: {err:#}");
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+fn run(args: &[String]) -> anyhow::Result<i32> {
+    let Some((cmd, rest)) = args.split_first() else {
+        eprint!("{USAGE}");
+        return Ok(2);
+    };
+    match cmd.as_str() {
+        "bindgen" => bindgen_cmd::run(rest),
+        "help" | "--help" | "-h" => {
+            print!("{USAGE}");
+            Ok(0)
+        }
+        other => {
+            eprintln!("xtask: unknown command `{other}`");
+            eprint!("{USAGE}");
+            Ok(2)
+        }
+    }
+}
+
+/// The workspace root (the parent of `xtask/`).
+pub fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the workspace root")
+        .to_path_buf()
+}
