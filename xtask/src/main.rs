@@ -1,7 +1,12 @@
 //! `cargo xtask`: the project's automation, in Rust so that it runs wherever
 //! cargo does. Each subcommand lives in its own module; `main` only dispatches.
 
+mod bench;
 mod bindgen_cmd;
+mod diagnose;
+mod gpu_test;
+mod probe;
+mod ptx;
 
 use std::path::PathBuf;
 
@@ -11,6 +16,12 @@ usage: cargo xtask <command> [options]
 commands:
   bindgen [--check]   regenerate crates/cuda-sys and crates/nccl-sys bindings
                       (--check: fail if the committed output differs)
+  ptx [--check]       compile the project's CUDA kernels to the committed PTX
+  probe               print the driver, the GPUs and peer access, and NCCL
+  gpu-test [opts]     run the multi-rank suite on this box's GPUs (--help)
+  bench [opts]        run the GPU benchmarks and write a markdown table (--help)
+  diagnose DIR        read the flight-recorder dumps of all ranks in DIR and
+                      name the first operation the ranks disagree on
 ";
 
 fn main() {
@@ -32,6 +43,11 @@ fn run(args: &[String]) -> anyhow::Result<i32> {
     };
     match cmd.as_str() {
         "bindgen" => bindgen_cmd::run(rest),
+        "ptx" => ptx::run(rest),
+        "probe" => probe::run(rest),
+        "gpu-test" => gpu_test::run(rest),
+        "bench" => bench::run(rest),
+        "diagnose" => diagnose::run(rest),
         "help" | "--help" | "-h" => {
             print!("{USAGE}");
             Ok(0)
