@@ -1,6 +1,36 @@
 //! Tensor-parallel communication for Rust engines over NCCL.
 //!
-//! Placeholder while the layers land.
+//! The policy layer of the stack: the [`CommBackend`] trait an engine calls
+//! (as `dyn CommBackend`), [`NcclBackend`] over one NCCL communicator per
+//! rank with the 2-rank send/recv + add fast path, deadlines on every
+//! operation, poisoning, a flight recorder, rendezvous and reconnect, and
+//! [`LocalBackend`] for a world of one.
+//!
+//! ```no_run
+//! use metrale_comm::{BackendConfig, CommBackend, NcclBackend};
+//! // torchrun-style environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
+//! let backend = NcclBackend::from_env(BackendConfig::new(0))?;
+//! # let (ptr, bytes) = (0u64, 0usize);
+//! // SAFETY: `ptr` is a device buffer of `bytes` bytes on this rank's GPU.
+//! unsafe { backend.all_reduce(ptr, bytes)? };
+//! backend.synchronize()?;
+//! # Ok::<(), metrale_comm::CommError>(())
+//! ```
+//!
+//! Invariants: see each module; `docs/architecture.md` gathers them.
 
+pub mod backend;
+pub mod config;
 pub mod diagnostics;
+pub mod error;
+pub mod kernels;
+pub mod local_backend;
+pub mod nccl_backend;
 pub mod rendezvous;
+
+pub use backend::CommBackend;
+pub use config::{BackendConfig, FastPathPolicy};
+pub use error::{CommError, Failure, FailureKind};
+pub use local_backend::LocalBackend;
+pub use nccl_backend::{AllReducePath, NcclBackend};
+pub use nccl_safe::DataType;

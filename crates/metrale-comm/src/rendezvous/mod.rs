@@ -1,1 +1,456 @@
-//! Placeholder.
+//! How ranks agree on NCCL unique ids and meet at barriers.
+//!
+//! Nothing here touches NCCL: ids are plain `[u8; 128]`. Two transports:
+//! [`TcpRendezvous`] (rank 0 serves a small key-value store, [`StoreServer`],
+//! and every rank talks to it through a [`StoreClient`]) and
+//! [`FileRendezvous`] (a directory shared by the ranks of one machine).
+//! [`rendezvous_from_url`] picks one from `env://`, `file:///dir` or
+//! `tcp://host:port`.
+//!
+//! Invariants: keys are namespaced under `metrale/`; the id of generation
+//! `g` lives under `metrale/uid/{g}` and is written once, by rank 0; a
+//! barrier name may be reused, each use getting its own key through a
+//! per-name counter that advances identically on every rank; every wait is
+//! bounded by a caller-given timeout.
+
+mod file;
+mod store;
+mod tcp;
+mod wire;
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+pub use file::FileRendezvous;
+pub use store::{DEFAULT_IDLE_LIMIT, DEFAULT_IO_TIMEOUT, StoreClient, StoreServer};
+pub use tcp::TcpRendezvous;
+
+/// The length of an NCCL unique id.
+pub const ID_LEN: usize = 128;
+
+/// The environment variable holding the store's shared secret.
+pub const TOKEN_ENV: &str = "METRALE_STORE_TOKEN";
+
+/// Why a rendezvous step failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RendezvousError {
+    /// A wait ended before `key` appeared.
+    #[error("rendezvous timed out after {after:?} waiting for {key}")]
+    Timeout {
+        /// What was awaited.
+        key: String,
+        /// The wait's length.
+        after: Duration,
+    },
+    /// A transport or file-system failure.
+    #[error("rendezvous i/o error {context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The peer sent something this build does not understand.
+    #[error("rendezvous protocol error: {0}")]
+    Protocol(String),
+    /// The store refused the token.
+    #[error("the store refused this client's token (check {TOKEN_ENV})")]
+    Unauthorized,
+    /// An environment variable is missing or invalid.
+    #[error("bad environment variable {var}: {reason}")]
+    BadEnv {
+        /// The variable.
+        var: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A rendezvous URL or argument is invalid.
+    #[error("bad rendezvous spec: {0}")]
+    BadSpec(String),
+    /// The store is shutting down.
+    #[error("the rendezvous store is closed")]
+    Closed,
+    /// Rank 0 could not create the unique id (its message).
+    #[error("creating the unique id failed: {0}")]
+    MakeId(String),
+}
+
+impl RendezvousError {
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        RendezvousError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}
+
+/// Rank agreement used by `NcclBackend`.
+pub trait Rendezvous: Send + Sync + std::fmt::Debug {
+    /// This process's rank.
+    fn rank(&self) -> usize;
+    /// The number of ranks.
+    fn world_size(&self) -> usize;
+    /// Rank 0 calls `make` to create a fresh id and publishes it under
+    /// `generation`; every rank returns the same bytes. Waits at most
+    /// `timeout`. A generation must not be reused within one store.
+    fn exchange_id(
+        &self,
+        generation: u64,
+        make: &mut dyn FnMut() -> Result<[u8; ID_LEN], String>,
+        timeout: Duration,
+    ) -> Result<[u8; ID_LEN], RendezvousError>;
+    /// All ranks arrive at `name` before any returns; bounded by `timeout`.
+    fn barrier(&self, name: &str, timeout: Duration) -> Result<(), RendezvousError>;
+}
+
+/// The instant `timeout` from now, saturating instead of overflowing (a
+/// `Duration::MAX` timeout means "a very long time", never a panic).
+pub(crate) fn deadline_after(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout)
+        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)))
+        .unwrap_or(now)
+}
+
+/// The key of generation `generation`'s unique id.
+pub(crate) fn uid_key(generation: u64) -> String {
+    format!("metrale/uid/{generation}")
+}
+
+/// Encodes rank 0's outcome: tag 0 and the id, or tag 1 and the error.
+pub(crate) fn encode_uid(made: &Result<[u8; ID_LEN], String>) -> Vec<u8> {
+    match made {
+        Ok(id) => {
+            let mut v = Vec::with_capacity(1 + ID_LEN);
+            v.push(0);
+            v.extend_from_slice(id);
+            v
+        }
+        Err(msg) => {
+            let mut v = vec![1];
+            v.extend_from_slice(msg.as_bytes());
+            v
+        }
+    }
+}
+
+/// Decodes what [`encode_uid`] wrote.
+pub(crate) fn decode_uid(bytes: &[u8]) -> Result<[u8; ID_LEN], RendezvousError> {
+    match bytes.split_first() {
+        Some((0, id)) => id.try_into().map_err(|_| {
+            RendezvousError::Protocol(format!(
+                "unique id of {} bytes, expected {ID_LEN}",
+                id.len()
+            ))
+        }),
+        Some((1, msg)) => Err(RendezvousError::MakeId(format!(
+            "rank 0: {}",
+            String::from_utf8_lossy(msg)
+        ))),
+        _ => Err(RendezvousError::Protocol(
+            "malformed unique-id record".to_owned(),
+        )),
+    }
+}
+
+/// torchrun's variables.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnvConfig {
+    /// `RANK`.
+    pub rank: usize,
+    /// `WORLD_SIZE`.
+    pub world_size: usize,
+    /// `LOCAL_RANK` (defaults to `RANK`, right for one machine).
+    pub local_rank: usize,
+    /// `MASTER_ADDR`.
+    pub master_addr: String,
+    /// `MASTER_PORT`.
+    pub master_port: u16,
+}
+
+fn parse_var<T: std::str::FromStr>(
+    get: &impl Fn(&str) -> Option<String>,
+    var: &'static str,
+) -> Result<T, RendezvousError>
+where
+    T::Err: std::fmt::Display,
+{
+    let raw = get(var).ok_or_else(|| RendezvousError::BadEnv {
+        var,
+        reason: "not set".to_owned(),
+    })?;
+    raw.trim().parse().map_err(|e| RendezvousError::BadEnv {
+        var,
+        reason: format!("{raw:?}: {e}"),
+    })
+}
+
+/// Reads `RANK` and `WORLD_SIZE` and checks `rank < world_size`.
+fn rank_and_world(
+    get: &impl Fn(&str) -> Option<String>,
+) -> Result<(usize, usize), RendezvousError> {
+    let rank: usize = parse_var(get, "RANK")?;
+    let world_size: usize = parse_var(get, "WORLD_SIZE")?;
+    check_rank(rank, world_size)?;
+    Ok((rank, world_size))
+}
+
+fn check_rank(rank: usize, world_size: usize) -> Result<(), RendezvousError> {
+    if world_size == 0 {
+        return Err(RendezvousError::BadEnv {
+            var: "WORLD_SIZE",
+            reason: "must be at least 1".to_owned(),
+        });
+    }
+    if rank >= world_size {
+        return Err(RendezvousError::BadEnv {
+            var: "RANK",
+            reason: format!("{rank} is not below WORLD_SIZE {world_size}"),
+        });
+    }
+    Ok(())
+}
+
+impl EnvConfig {
+    /// Reads the process environment.
+    pub fn from_env() -> Result<EnvConfig, RendezvousError> {
+        Self::from_lookup(|var| std::env::var(var).ok())
+    }
+
+    /// Reads the variables through `get` (testable without the environment).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<EnvConfig, RendezvousError> {
+        let (rank, world_size) = rank_and_world(&get)?;
+        let local_rank = match get("LOCAL_RANK") {
+            Some(_) => parse_var(&get, "LOCAL_RANK")?,
+            None => rank,
+        };
+        if local_rank >= world_size {
+            return Err(RendezvousError::BadEnv {
+                var: "LOCAL_RANK",
+                reason: format!("{local_rank} is not below WORLD_SIZE {world_size}"),
+            });
+        }
+        let master_addr = get("MASTER_ADDR")
+            .map(|a| a.trim().to_owned())
+            .filter(|a| !a.is_empty())
+            .ok_or_else(|| RendezvousError::BadEnv {
+                var: "MASTER_ADDR",
+                reason: "not set".to_owned(),
+            })?;
+        let master_port: u16 = parse_var(&get, "MASTER_PORT")?;
+        if master_port == 0 {
+            return Err(RendezvousError::BadEnv {
+                var: "MASTER_PORT",
+                reason: "must not be 0".to_owned(),
+            });
+        }
+        Ok(EnvConfig {
+            rank,
+            world_size,
+            local_rank,
+            master_addr,
+            master_port,
+        })
+    }
+
+    /// Resolves `MASTER_ADDR:MASTER_PORT` (the first address found).
+    pub fn master_socket_addr(&self) -> Result<SocketAddr, RendezvousError> {
+        resolve(&self.master_addr, self.master_port)
+    }
+}
+
+fn resolve(host: &str, port: u16) -> Result<SocketAddr, RendezvousError> {
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    (host, port)
+        .to_socket_addrs()
+        .map_err(|e| RendezvousError::io(format!("resolving {host}:{port}"), e))?
+        .next()
+        .ok_or_else(|| RendezvousError::BadSpec(format!("{host}:{port} resolves to nothing")))
+}
+
+fn token_from_env() -> Option<String> {
+    std::env::var(TOKEN_ENV).ok().filter(|t| !t.is_empty())
+}
+
+/// A parsed rendezvous URL (see [`rendezvous_from_url`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RendezvousSpec {
+    /// `env://`: torchrun's variables.
+    Env,
+    /// `file:///abs/dir[?rank=R&world_size=W]`.
+    File {
+        /// The shared directory.
+        dir: PathBuf,
+        /// Rank from the query, else `RANK`.
+        rank: Option<usize>,
+        /// World size from the query, else `WORLD_SIZE`.
+        world_size: Option<usize>,
+    },
+    /// `tcp://host:port[?rank=R&world_size=W]`.
+    Tcp {
+        /// The host (name or address).
+        host: String,
+        /// The port.
+        port: u16,
+        /// Rank from the query, else `RANK`.
+        rank: Option<usize>,
+        /// World size from the query, else `WORLD_SIZE`.
+        world_size: Option<usize>,
+    },
+}
+
+fn parse_query(query: &str) -> Result<(Option<usize>, Option<usize>), RendezvousError> {
+    let (mut rank, mut world) = (None, None);
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair
+            .split_once('=')
+            .ok_or_else(|| RendezvousError::BadSpec(format!("query item {pair:?} has no '='")))?;
+        let n: usize = v
+            .parse()
+            .map_err(|_| RendezvousError::BadSpec(format!("{k}={v:?} is not a number")))?;
+        match k {
+            "rank" => rank = Some(n),
+            "world_size" => world = Some(n),
+            other => {
+                return Err(RendezvousError::BadSpec(format!(
+                    "unknown query key {other:?}"
+                )));
+            }
+        }
+    }
+    Ok((rank, world))
+}
+
+impl RendezvousSpec {
+    /// Parses `env://`, `file:///abs/dir` or `tcp://host:port`, each
+    /// optionally followed by `?rank=R&world_size=W` (not for `env://`).
+    pub fn parse(url: &str) -> Result<RendezvousSpec, RendezvousError> {
+        let (base, query) = match url.split_once('?') {
+            Some((b, q)) => (b, Some(q)),
+            None => (url, None),
+        };
+        let (rank, world_size) = parse_query(query.unwrap_or(""))?;
+        if let Some(rest) = base.strip_prefix("env://") {
+            if !rest.is_empty() || query.is_some() {
+                return Err(RendezvousError::BadSpec(format!(
+                    "{url:?}: env:// takes nothing after it"
+                )));
+            }
+            Ok(RendezvousSpec::Env)
+        } else if let Some(path) = base.strip_prefix("file://") {
+            if !path.starts_with('/') || path.len() < 2 {
+                return Err(RendezvousError::BadSpec(format!(
+                    "{url:?}: file:// needs an absolute directory, e.g. file:///tmp/rdzv"
+                )));
+            }
+            Ok(RendezvousSpec::File {
+                dir: PathBuf::from(path),
+                rank,
+                world_size,
+            })
+        } else if let Some(hostport) = base.strip_prefix("tcp://") {
+            let (host, port) = hostport.rsplit_once(':').ok_or_else(|| {
+                RendezvousError::BadSpec(format!("{url:?}: tcp:// needs host:port"))
+            })?;
+            let port: u16 = port
+                .parse()
+                .map_err(|_| RendezvousError::BadSpec(format!("{url:?}: bad port {port:?}")))?;
+            if host.is_empty() || port == 0 {
+                return Err(RendezvousError::BadSpec(format!(
+                    "{url:?}: tcp:// needs a host and a non-zero port"
+                )));
+            }
+            Ok(RendezvousSpec::Tcp {
+                host: host.to_owned(),
+                port,
+                rank,
+                world_size,
+            })
+        } else {
+            Err(RendezvousError::BadSpec(format!(
+                "{url:?}: expected env://, file:///dir or tcp://host:port"
+            )))
+        }
+    }
+}
+
+fn rank_world_or_env(
+    rank: Option<usize>,
+    world_size: Option<usize>,
+) -> Result<(usize, usize), RendezvousError> {
+    let env = |var: &str| std::env::var(var).ok();
+    let rank = match rank {
+        Some(r) => r,
+        None => parse_var(&env, "RANK")?,
+    };
+    let world_size = match world_size {
+        Some(w) => w,
+        None => parse_var(&env, "WORLD_SIZE")?,
+    };
+    check_rank(rank, world_size)?;
+    Ok((rank, world_size))
+}
+
+/// Builds the rendezvous named by `url`: `env://` (torchrun's variables and
+/// `METRALE_STORE_TOKEN`), `file:///abs/dir` or `tcp://host:port` (rank and
+/// world size from `?rank=R&world_size=W`, else `RANK` and `WORLD_SIZE`).
+/// `timeout` bounds connecting to the store.
+pub fn rendezvous_from_url(
+    url: &str,
+    timeout: Duration,
+) -> Result<Box<dyn Rendezvous>, RendezvousError> {
+    match RendezvousSpec::parse(url)? {
+        RendezvousSpec::Env => {
+            let cfg = EnvConfig::from_env()?;
+            let addr = cfg.master_socket_addr()?;
+            Ok(Box::new(TcpRendezvous::new(
+                cfg.rank,
+                cfg.world_size,
+                addr,
+                token_from_env(),
+                timeout,
+            )?))
+        }
+        RendezvousSpec::File {
+            dir,
+            rank,
+            world_size,
+        } => {
+            let (rank, world_size) = rank_world_or_env(rank, world_size)?;
+            Ok(Box::new(FileRendezvous::new(rank, world_size, dir)?))
+        }
+        RendezvousSpec::Tcp {
+            host,
+            port,
+            rank,
+            world_size,
+        } => {
+            let (rank, world_size) = rank_world_or_env(rank, world_size)?;
+            let addr = resolve(&host, port)?;
+            Ok(Box::new(TcpRendezvous::new(
+                rank,
+                world_size,
+                addr,
+                token_from_env(),
+                timeout,
+            )?))
+        }
+    }
+}
+
+/// Per-name barrier counters: each use of a name gets the next number, the
+/// same on every rank because every rank passes the same barriers in order.
+#[derive(Debug, Default)]
+pub(crate) struct BarrierCounters(parking_lot::Mutex<std::collections::HashMap<String, u64>>);
+
+impl BarrierCounters {
+    pub(crate) fn next(&self, name: &str) -> u64 {
+        let mut map = self.0.lock();
+        let n = map.entry(name.to_owned()).or_insert(0);
+        *n += 1;
+        *n
+    }
+}

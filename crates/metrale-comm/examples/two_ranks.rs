@@ -1,0 +1,64 @@
+//! A minimal two-rank program: each rank builds an `NcclBackend` from the
+//! torchrun environment, all-reduces a bf16 buffer and checks the sum.
+//!
+//! Run on a box with two GPUs: `cargo run --release --example two_ranks`.
+//! Without `RANK` in the environment it launches itself twice (ranks 0 and
+//! 1, `MASTER_ADDR=127.0.0.1`, a free port), as torchrun would.
+
+use half::bf16;
+use metrale_comm::{BackendConfig, CommBackend, NcclBackend};
+use nccl_safe::DeviceBuffer;
+
+fn main() -> anyhow::Result<()> {
+    if std::env::var("RANK").is_err() {
+        return launch_two_ranks();
+    }
+    let backend = NcclBackend::from_env(BackendConfig::new(0))?;
+    let rank = backend.rank();
+
+    // Rank r contributes (i % 7) + r + 1 at index i.
+    let n = 1 << 20;
+    let host: Vec<bf16> = (0..n)
+        .map(|i| bf16::from_f32((i % 7 + rank + 1) as f32))
+        .collect();
+    let buf = DeviceBuffer::from_host(backend.context(), &host)?;
+
+    // SAFETY: `buf` is device memory of this rank's GPU holding `bytes()`
+    // bytes, and it outlives the reduction (synchronize waits for it).
+    unsafe { backend.all_reduce(buf.device_ptr(), buf.bytes())? };
+    backend.synchronize()?;
+
+    let out = buf.to_host_vec()?;
+    for (i, v) in out.iter().enumerate() {
+        let want = bf16::from_f32((2 * (i % 7) + 3) as f32);
+        anyhow::ensure!(
+            *v == want,
+            "rank {rank}: element {i} is {v}, expected {want}"
+        );
+    }
+    println!("rank {rank}: all-reduce of {n} bf16 elements is correct");
+    backend.shutdown()?;
+    Ok(())
+}
+
+fn launch_two_ranks() -> anyhow::Result<()> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let exe = std::env::current_exe()?;
+    let children: Vec<_> = (0..2)
+        .map(|rank| {
+            std::process::Command::new(&exe)
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .spawn()
+        })
+        .collect::<Result<_, _>>()?;
+    for mut child in children {
+        anyhow::ensure!(child.wait()?.success(), "a rank failed");
+    }
+    Ok(())
+}

@@ -1,0 +1,290 @@
+//! Backend configuration: device, deadlines, fast-path policy, scratch size,
+//! diagnostics; with the `METRALE_COMM_*` environment overrides documented in
+//! `docs/operations.md`.
+//!
+//! Invariant: [`BackendConfig::default`] keeps the collective timeout inside
+//! the seed's 10-300 s bounds; shorter values are allowed when set
+//! explicitly (tests).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::error::CommError;
+
+/// The default collective timeout.
+pub const DEFAULT_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(60);
+/// The default communicator-init timeout.
+pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// When the 2-rank all-reduce uses grouped send/recv plus the add kernel
+/// instead of NCCL's all-reduce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FastPathPolicy {
+    /// NCCL's all-reduce always.
+    Never,
+    /// The fast path at every size (the seed's behaviour).
+    Always,
+    /// The fast path for payloads in `min_bytes..=max_bytes`.
+    Range {
+        /// Smallest payload taking the fast path.
+        min_bytes: usize,
+        /// Largest payload taking the fast path.
+        max_bytes: usize,
+    },
+}
+
+impl FastPathPolicy {
+    /// The default crossover on 2 H200s over NVLink, from NCCL's numbers in
+    /// `shared/gpu/ANCHORS.md` (graph replay: send/recv moves 1-16 MiB a good
+    /// deal faster than all-reduce; the add kernel costs a launch and a pass
+    /// over memory). See `docs/benchmarks.md` for how it is re-derived.
+    pub const DEFAULT: FastPathPolicy = FastPathPolicy::Range {
+        min_bytes: 1 << 20,
+        max_bytes: 16 << 20,
+    };
+
+    /// Whether a payload of `bytes` takes the fast path.
+    pub fn takes_fast_path(self, bytes: usize) -> bool {
+        match self {
+            FastPathPolicy::Never => false,
+            FastPathPolicy::Always => true,
+            FastPathPolicy::Range {
+                min_bytes,
+                max_bytes,
+            } => (min_bytes..=max_bytes).contains(&bytes),
+        }
+    }
+
+    /// Parses `never`, `always`, `auto` (the default) or `MIN-MAX` in bytes
+    /// (suffixes `K`, `M`, `G` for KiB, MiB, GiB).
+    pub fn parse(s: &str) -> Result<Self, CommError> {
+        let s = s.trim();
+        match s.to_ascii_lowercase().as_str() {
+            "never" | "off" | "0" => return Ok(FastPathPolicy::Never),
+            "always" => return Ok(FastPathPolicy::Always),
+            "auto" | "default" => return Ok(FastPathPolicy::DEFAULT),
+            _ => {}
+        }
+        let (lo, hi) = s.split_once('-').ok_or_else(|| {
+            CommError::Config(format!(
+                "fast path policy `{s}`: expected never, always, auto or MIN-MAX"
+            ))
+        })?;
+        let (min_bytes, max_bytes) = (parse_bytes(lo)?, parse_bytes(hi)?);
+        if min_bytes > max_bytes {
+            return Err(CommError::Config(format!(
+                "fast path policy `{s}`: MIN > MAX"
+            )));
+        }
+        Ok(FastPathPolicy::Range {
+            min_bytes,
+            max_bytes,
+        })
+    }
+}
+
+/// Parses a byte count with an optional `K`, `M` or `G` suffix (powers of
+/// 1024).
+pub fn parse_bytes(s: &str) -> Result<usize, CommError> {
+    let s = s.trim();
+    let (digits, shift) = match s.chars().last() {
+        Some('k' | 'K') => (&s[..s.len() - 1], 10),
+        Some('m' | 'M') => (&s[..s.len() - 1], 20),
+        Some('g' | 'G') => (&s[..s.len() - 1], 30),
+        _ => (s, 0),
+    };
+    let n: usize = digits
+        .trim()
+        .parse()
+        .map_err(|_| CommError::Config(format!("`{s}` is not a byte count")))?;
+    n.checked_shl(shift)
+        .filter(|v| v >> shift == n)
+        .ok_or_else(|| CommError::Config(format!("`{s}` is too large")))
+}
+
+/// How a [`crate::NcclBackend`] is built and behaves.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct BackendConfig {
+    /// CUDA device ordinal of this rank.
+    pub device: usize,
+    /// How long any submitted operation may take before the communicator is
+    /// poisoned and aborted. Also the deadline of host waits.
+    pub collective_timeout: Duration,
+    /// How long communicator init (and the rendezvous) may take.
+    pub init_timeout: Duration,
+    /// How long `shutdown` waits for enqueued work before aborting.
+    pub shutdown_timeout: Duration,
+    /// The 2-rank fast-path policy.
+    pub fast_path: FastPathPolicy,
+    /// Capacity of the fast path's receive buffer; larger payloads go in
+    /// chunks of this size.
+    pub scratch_bytes: usize,
+    /// Entries kept by the flight recorder.
+    pub flight_recorder_capacity: usize,
+    /// Where flight-recorder dumps go on a failure (`None`: no dump).
+    pub dump_dir: Option<PathBuf>,
+    /// How often the watchdog polls completion events and NCCL's
+    /// asynchronous error.
+    pub watchdog_interval: Duration,
+}
+
+impl BackendConfig {
+    /// The defaults for `device`.
+    pub fn new(device: usize) -> Self {
+        Self {
+            device,
+            collective_timeout: DEFAULT_COLLECTIVE_TIMEOUT,
+            init_timeout: DEFAULT_INIT_TIMEOUT,
+            shutdown_timeout: Duration::from_secs(10),
+            fast_path: FastPathPolicy::DEFAULT,
+            scratch_bytes: 32 << 20,
+            flight_recorder_capacity: 4096,
+            dump_dir: None,
+            watchdog_interval: Duration::from_millis(2),
+        }
+    }
+
+    /// Sets the collective timeout.
+    pub fn with_collective_timeout(mut self, t: Duration) -> Self {
+        self.collective_timeout = t;
+        self
+    }
+
+    /// Sets the init timeout.
+    pub fn with_init_timeout(mut self, t: Duration) -> Self {
+        self.init_timeout = t;
+        self
+    }
+
+    /// Sets the fast-path policy.
+    pub fn with_fast_path(mut self, p: FastPathPolicy) -> Self {
+        self.fast_path = p;
+        self
+    }
+
+    /// Sets the scratch capacity.
+    pub fn with_scratch_bytes(mut self, bytes: usize) -> Self {
+        self.scratch_bytes = bytes;
+        self
+    }
+
+    /// Sets the dump directory.
+    pub fn with_dump_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.dump_dir = Some(dir.into());
+        self
+    }
+
+    /// Applies the `METRALE_COMM_*` environment overrides.
+    pub fn with_env_overrides(self) -> Result<Self, CommError> {
+        self.with_overrides(|k| std::env::var(k).ok())
+    }
+
+    /// Applies overrides from `get` (the environment in
+    /// [`BackendConfig::with_env_overrides`]; a map in tests).
+    pub fn with_overrides(
+        mut self,
+        get: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, CommError> {
+        let secs = |name: &str| -> Result<Option<Duration>, CommError> {
+            let Some(v) = get(name) else { return Ok(None) };
+            let s: f64 = v.trim().parse().map_err(|_| {
+                CommError::Config(format!("{name}=`{v}` is not a number of seconds"))
+            })?;
+            if !(s > 0.0 && s <= 86_400.0) {
+                return Err(CommError::Config(format!(
+                    "{name}=`{v}` must be in (0, 86400] seconds"
+                )));
+            }
+            Ok(Some(Duration::from_secs_f64(s)))
+        };
+        if let Some(t) = secs("METRALE_COMM_TIMEOUT_SECS")? {
+            self.collective_timeout = t;
+        }
+        if let Some(t) = secs("METRALE_COMM_INIT_TIMEOUT_SECS")? {
+            self.init_timeout = t;
+        }
+        if let Some(t) = secs("METRALE_COMM_SHUTDOWN_TIMEOUT_SECS")? {
+            self.shutdown_timeout = t;
+        }
+        if let Some(p) = get("METRALE_COMM_FAST_PATH") {
+            self.fast_path = FastPathPolicy::parse(&p)?;
+        }
+        if let Some(b) = get("METRALE_COMM_SCRATCH_BYTES") {
+            self.scratch_bytes = parse_bytes(&b)?;
+        }
+        if let Some(d) = get("METRALE_COMM_DUMP_DIR").filter(|d| !d.is_empty()) {
+            self.dump_dir = Some(PathBuf::from(d));
+        }
+        if let Some(n) = get("METRALE_COMM_FLIGHT_RECORDER_ENTRIES") {
+            self.flight_recorder_capacity =
+                n.trim().parse().ok().filter(|n| *n > 0).ok_or_else(|| {
+                    CommError::Config(format!("METRALE_COMM_FLIGHT_RECORDER_ENTRIES=`{n}`"))
+                })?;
+        }
+        Ok(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn default_timeout_is_within_the_seed_bounds() {
+        let c = BackendConfig::new(0);
+        assert!(c.collective_timeout >= Duration::from_secs(10));
+        assert!(c.collective_timeout <= Duration::from_secs(300));
+    }
+
+    #[test]
+    fn policies_parse() {
+        assert_eq!(
+            FastPathPolicy::parse("never").unwrap(),
+            FastPathPolicy::Never
+        );
+        assert_eq!(
+            FastPathPolicy::parse("always").unwrap(),
+            FastPathPolicy::Always
+        );
+        assert_eq!(
+            FastPathPolicy::parse("auto").unwrap(),
+            FastPathPolicy::DEFAULT
+        );
+        assert_eq!(
+            FastPathPolicy::parse("256K-32M").unwrap(),
+            FastPathPolicy::Range {
+                min_bytes: 256 << 10,
+                max_bytes: 32 << 20
+            }
+        );
+        assert!(FastPathPolicy::parse("32M-1K").is_err());
+        assert!(FastPathPolicy::parse("fast").is_err());
+        assert!(parse_bytes("99999999999999999999G").is_err());
+    }
+
+    #[test]
+    fn env_overrides_apply_and_reject_garbage() {
+        let env: HashMap<&str, &str> = [
+            ("METRALE_COMM_TIMEOUT_SECS", "2.5"),
+            ("METRALE_COMM_FAST_PATH", "never"),
+            ("METRALE_COMM_SCRATCH_BYTES", "8M"),
+            ("METRALE_COMM_DUMP_DIR", "/tmp/fr"),
+        ]
+        .into();
+        let c = BackendConfig::new(1)
+            .with_overrides(|k| env.get(k).map(|v| v.to_string()))
+            .unwrap();
+        assert_eq!(c.collective_timeout, Duration::from_millis(2500));
+        assert_eq!(c.fast_path, FastPathPolicy::Never);
+        assert_eq!(c.scratch_bytes, 8 << 20);
+        assert_eq!(c.dump_dir.as_deref(), Some(std::path::Path::new("/tmp/fr")));
+        for bad in ["0", "-1", "abc"] {
+            let r = BackendConfig::new(0)
+                .with_overrides(|k| (k == "METRALE_COMM_TIMEOUT_SECS").then(|| bad.to_string()));
+            assert!(matches!(r, Err(CommError::Config(_))), "{bad}");
+        }
+    }
+}

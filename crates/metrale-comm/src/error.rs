@@ -1,0 +1,177 @@
+//! Errors of the policy layer.
+//!
+//! Invariants: an error from bad input ([`CommError::InvalidArgument`],
+//! [`CommError::UnknownHandle`], [`CommError::InGroup`]) never poisons the
+//! backend; [`CommError::Poisoned`] always carries the first failure, so a
+//! refused call names what failed first.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::rendezvous::RendezvousError;
+
+/// Why a backend call failed.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum CommError {
+    /// The arguments are wrong; nothing was submitted.
+    #[error("{op}: invalid argument: {reason}")]
+    InvalidArgument {
+        /// The operation.
+        op: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A handle or address the backend does not know (never handed out, or
+    /// already released).
+    #[error("{op}: unknown handle {handle:#x} (never handed out, or already released)")]
+    UnknownHandle {
+        /// The operation.
+        op: &'static str,
+        /// The handle or address.
+        handle: u64,
+    },
+    /// An operation that waits for completion was called inside
+    /// `group_start`/`group_end`, where it would wait for work the group has
+    /// not launched yet.
+    #[error("{op}: refused inside group_start/group_end: it waits for completion")]
+    InGroup {
+        /// The operation.
+        op: &'static str,
+    },
+    /// The backend is poisoned by an earlier failure and refuses work.
+    #[error(
+        "{op}: refused: communicator poisoned (rank {rank} of {world_size}) by: {cause}; \
+         stop all ranks, or call attempt_reconnect on every rank"
+    )]
+    Poisoned {
+        /// The refused operation.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The number of ranks.
+        world_size: usize,
+        /// The first failure.
+        cause: Arc<Failure>,
+    },
+    /// This call's own operation failed and poisoned the backend.
+    #[error("{0}")]
+    Failed(Arc<Failure>),
+    /// A call to NCCL or the driver was refused before anything was
+    /// enqueued (the backend stays healthy).
+    #[error("{op}: {source}")]
+    Refused {
+        /// The operation.
+        op: &'static str,
+        /// NCCL's or the driver's error.
+        source: nccl_safe::Error,
+    },
+    /// The backend was shut down.
+    #[error("{op}: the backend is shut down")]
+    Shutdown {
+        /// The operation.
+        op: &'static str,
+    },
+    /// Another thread is replacing the communicator (`attempt_reconnect`).
+    #[error("{op}: refused: the communicator is being reconnected")]
+    Reconnecting {
+        /// The operation.
+        op: &'static str,
+    },
+    /// The operation does not exist for this backend (send on one rank).
+    #[error("{op}: unsupported: {reason}")]
+    Unsupported {
+        /// The operation.
+        op: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// Setting up the communicator failed (device, rendezvous, init).
+    #[error("{stage}: {message}")]
+    Setup {
+        /// What was being set up.
+        stage: &'static str,
+        /// What went wrong.
+        message: String,
+    },
+    /// The rendezvous failed.
+    #[error(transparent)]
+    Rendezvous(Arc<RendezvousError>),
+    /// The configuration or environment is invalid.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+}
+
+impl From<RendezvousError> for CommError {
+    fn from(e: RendezvousError) -> Self {
+        CommError::Rendezvous(Arc::new(e))
+    }
+}
+
+impl CommError {
+    /// The first failure behind this error, for `Poisoned` and `Failed`.
+    pub fn failure(&self) -> Option<&Failure> {
+        match self {
+            CommError::Poisoned { cause, .. } | CommError::Failed(cause) => Some(cause),
+            _ => None,
+        }
+    }
+
+    /// True for errors caused by the arguments of the call.
+    pub fn is_invalid_input(&self) -> bool {
+        matches!(
+            self,
+            CommError::InvalidArgument { .. }
+                | CommError::UnknownHandle { .. }
+                | CommError::InGroup { .. }
+        )
+    }
+}
+
+/// What poisoned a communicator: the op, its sequence number and the cause.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    /// The operation that failed or did not complete.
+    pub op: &'static str,
+    /// Its sequence number in this rank's flight recorder.
+    pub seq: u64,
+    /// This rank.
+    pub rank: usize,
+    /// The number of ranks.
+    pub world_size: usize,
+    /// The communicator generation (0, then +1 per reconnect).
+    pub generation: u64,
+    /// What happened.
+    pub kind: FailureKind,
+}
+
+/// The kind of a [`Failure`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum FailureKind {
+    /// The operation did not complete within the collective timeout.
+    Timeout {
+        /// The timeout.
+        after: Duration,
+    },
+    /// NCCL reported an asynchronous error on the communicator.
+    AsyncError(nccl_safe::Error),
+    /// The call itself failed after work may have been enqueued.
+    CallFailed(nccl_safe::Error),
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} (seq {}, rank {} of {}, generation {}) ",
+            self.op, self.seq, self.rank, self.world_size, self.generation
+        )?;
+        match &self.kind {
+            FailureKind::Timeout { after } => write!(f, "did not complete within {after:?}"),
+            FailureKind::AsyncError(e) => write!(f, "hit an asynchronous NCCL error: {e}"),
+            FailureKind::CallFailed(e) => write!(f, "failed: {e}"),
+        }
+    }
+}

@@ -1,0 +1,643 @@
+//! Tests of the TCP store (requests, waits, tokens, garbage, shutdown), of
+//! the TCP and file rendezvous with four ranks as threads, and of the
+//! environment and URL parsing. Loopback addresses only.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use metrale_comm::rendezvous::{
+    EnvConfig, FileRendezvous, ID_LEN, Rendezvous, RendezvousError, RendezvousSpec, StoreClient,
+    StoreServer, TcpRendezvous, rendezvous_from_url,
+};
+use rand::Rng;
+
+const T: Duration = Duration::from_secs(10);
+
+fn loopback0() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 0))
+}
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    std::env::temp_dir().join(format!("metrale-rdzv-{tag}-{}-{nanos}", std::process::id()))
+}
+
+/// A raw frame as the wire format defines it.
+fn frame(kind: u8, payload: &[u8]) -> Vec<u8> {
+    let mut v = b"MRDV".to_vec();
+    v.push(1);
+    v.push(kind);
+    v.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    v.extend_from_slice(payload);
+    v
+}
+
+fn key_payload(key: &str, rest: &[u8]) -> Vec<u8> {
+    let mut v = (key.len() as u16).to_be_bytes().to_vec();
+    v.extend_from_slice(key.as_bytes());
+    v.extend_from_slice(rest);
+    v
+}
+
+fn random_bytes(rng: &mut impl Rng, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    rng.fill(&mut v[..]);
+    v
+}
+
+#[test]
+fn set_get_add_across_threads() -> Result<()> {
+    let server = StoreServer::bind(loopback0(), None)?;
+    let addr = server.local_addr();
+    let client = Arc::new(StoreClient::connect(addr, None, T)?);
+    let mut rng = rand::rng();
+    let values: Vec<Vec<u8>> = (0..8)
+        .map(|_| {
+            let len = rng.random_range(1..5000);
+            random_bytes(&mut rng, len)
+        })
+        .collect();
+    let values = Arc::new(values);
+    let threads: Vec<_> = (0..8)
+        .map(|i| {
+            let values = Arc::clone(&values);
+            let shared = Arc::clone(&client);
+            std::thread::spawn(move || -> Result<()> {
+                // Half the threads share one client, half have their own.
+                let own;
+                let c: &StoreClient = if i % 2 == 0 {
+                    &shared
+                } else {
+                    own = StoreClient::connect(addr, None, T)?;
+                    &own
+                };
+                for _ in 0..100 {
+                    c.add("counter", 1)?;
+                }
+                c.set(&format!("k{i}"), &values[i])?;
+                // Read a neighbour's key, waiting for it to appear.
+                let j = (i + 1) % 8;
+                let got = c.get(&format!("k{j}"), T)?;
+                ensure!(got == values[j], "thread {i} read a wrong value for k{j}");
+                Ok(())
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("thread panicked")?;
+    }
+    assert_eq!(client.add("counter", 0)?, 800);
+    assert_eq!(client.add("counter", -801)?, -1);
+    assert_eq!(client.get("counter", T)?, b"-1");
+    for (i, v) in values.iter().enumerate() {
+        assert_eq!(&client.get(&format!("k{i}"), T)?, v);
+    }
+    // Overwrite, empty value.
+    client.set("k0", b"")?;
+    assert_eq!(client.get("k0", T)?, b"");
+    // A non-counter key refuses add without harming the store.
+    client.set("text", b"abc")?;
+    assert!(matches!(
+        client.add("text", 1),
+        Err(RendezvousError::Protocol(_))
+    ));
+    assert_eq!(client.get("text", T)?, b"abc");
+    Ok(())
+}
+
+#[test]
+fn get_waits_for_a_later_set_and_times_out() -> Result<()> {
+    let server = StoreServer::bind(loopback0(), None)?;
+    let addr = server.local_addr();
+    let waiter = std::thread::spawn(move || -> Result<(Vec<u8>, Duration)> {
+        let c = StoreClient::connect(addr, None, T)?;
+        let start = Instant::now();
+        let v = c.get("late", T)?;
+        Ok((v, start.elapsed()))
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let c = StoreClient::connect(addr, None, T)?;
+    c.set("late", b"\x07\x01value")?;
+    let (v, waited) = waiter.join().expect("waiter")?;
+    assert_eq!(v, b"\x07\x01value");
+    assert!(waited >= Duration::from_millis(50), "{waited:?}");
+
+    let start = Instant::now();
+    match c.get("never", Duration::from_millis(150)) {
+        Err(RendezvousError::Timeout { key, after }) => {
+            assert_eq!(key, "never");
+            assert_eq!(after, Duration::from_millis(150));
+        }
+        other => bail!("expected a timeout, got {other:?}"),
+    }
+    let took = start.elapsed();
+    assert!(
+        took >= Duration::from_millis(140) && took < Duration::from_secs(3),
+        "{took:?}"
+    );
+    // The connection is still usable after a timeout.
+    assert_eq!(c.get("late", T)?, b"\x07\x01value");
+    Ok(())
+}
+
+#[test]
+fn token_is_required_when_configured() -> Result<()> {
+    let server = StoreServer::bind(loopback0(), Some("s3cret".to_owned()))?;
+    let addr = server.local_addr();
+    assert!(matches!(
+        StoreClient::connect(addr, None, T),
+        Err(RendezvousError::Unauthorized)
+    ));
+    assert!(matches!(
+        StoreClient::connect(addr, Some("wrong".to_owned()), T),
+        Err(RendezvousError::Unauthorized)
+    ));
+    // A raw connection that skips the hello is refused and can do nothing.
+    let mut raw = TcpStream::connect(addr)?;
+    raw.set_read_timeout(Some(T))?;
+    raw.write_all(&frame(2, &key_payload("stolen", b"x")))?;
+    let mut reply = Vec::new();
+    let _ = raw.read_to_end(&mut reply);
+    assert!(reply.len() >= 10, "an error frame comes back");
+    assert_eq!(&reply[..4], b"MRDV");
+    assert_eq!(reply[5], 0x83, "the reply is UNAUTHORIZED");
+
+    let good = StoreClient::connect(addr, Some("s3cret".to_owned()), T)?;
+    assert!(matches!(
+        good.get("stolen", Duration::from_millis(50)),
+        Err(RendezvousError::Timeout { .. })
+    ));
+    good.set("ok", b"1")?;
+    assert_eq!(good.get("ok", T)?, b"1");
+    Ok(())
+}
+
+/// Builds one garbage batch for a connection; returns (bytes, frames in it).
+fn garbage_batch(rng: &mut impl Rng) -> (Vec<u8>, usize) {
+    let mut out = Vec::new();
+    let mut frames = 0;
+    if rng.random_bool(0.5) {
+        out.extend(frame(1, b""));
+        frames += 1;
+    }
+    // Some well-formed requests first, so that the parser gets past the hello.
+    for _ in 0..rng.random_range(0..20) {
+        let key = format!("junk/{}", rng.random::<u32>());
+        let req = match rng.random_range(0..3) {
+            0 => {
+                let len = rng.random_range(0..64);
+                frame(2, &key_payload(&key, &random_bytes(rng, len)))
+            }
+            1 => frame(4, &key_payload(&key, &rng.random::<i64>().to_be_bytes())),
+            _ => frame(3, &key_payload(&key, &0u64.to_be_bytes())),
+        };
+        out.extend(req);
+        frames += 1;
+    }
+    // Then garbage, which ends the connection.
+    for _ in 0..rng.random_range(1..10) {
+        match rng.random_range(0..5) {
+            0 => {
+                let len = rng.random_range(1..64);
+                out.extend(random_bytes(rng, len));
+            }
+            1 => {
+                let kind = rng.random::<u8>();
+                let len = rng.random_range(0..200);
+                out.extend(frame(kind, &random_bytes(rng, len)));
+            }
+            2 => {
+                let mut f = frame(2, b"");
+                let huge: u32 = rng.random_range((1 << 20) + 1..=u32::MAX);
+                f[6..10].copy_from_slice(&huge.to_be_bytes());
+                out.extend(f);
+            }
+            3 => {
+                let mut f = frame(rng.random_range(1..5), &random_bytes(rng, 100));
+                f[4] = rng.random_range(2..=255);
+                out.extend(f);
+            }
+            _ => {
+                // Truncated: the header promises more than is sent.
+                let f = frame(2, &random_bytes(rng, 100));
+                out.extend_from_slice(&f[..rng.random_range(1..f.len())]);
+            }
+        }
+        frames += 1;
+    }
+    (out, frames)
+}
+
+#[test]
+fn server_survives_garbage() -> Result<()> {
+    let server = StoreServer::bind(loopback0(), None)?;
+    let addr = server.local_addr();
+    let before = StoreClient::connect(addr, None, T)?;
+    before.set("keep", b"safe")?;
+    let sent = Arc::new(AtomicUsize::new(0));
+    let workers: Vec<_> = (0..4)
+        .map(|_| {
+            let sent = Arc::clone(&sent);
+            std::thread::spawn(move || -> Result<usize> {
+                let mut rng = rand::rng();
+                let mut conns = 0;
+                while sent.load(Ordering::SeqCst) < 10_000 {
+                    let (bytes, frames) = garbage_batch(&mut rng);
+                    let mut s = TcpStream::connect(addr).context("connect")?;
+                    s.set_read_timeout(Some(Duration::from_millis(500)))?;
+                    // The server may close early: write errors are expected.
+                    let _ = s.write_all(&bytes);
+                    let _ = s.shutdown(Shutdown::Write);
+                    let mut sink = Vec::new();
+                    let _ = s.read_to_end(&mut sink);
+                    sent.fetch_add(frames, Ordering::SeqCst);
+                    conns += 1;
+                }
+                Ok(conns)
+            })
+        })
+        .collect();
+    let mut conns = 0;
+    for w in workers {
+        conns += w.join().expect("worker panicked")?;
+    }
+    assert!(sent.load(Ordering::SeqCst) >= 10_000);
+    assert!(conns >= 4);
+    // The old connection and a new one both still work.
+    assert_eq!(before.get("keep", T)?, b"safe");
+    let after = StoreClient::connect(addr, None, T)?;
+    after.set("fresh", b"ok")?;
+    assert_eq!(after.get("fresh", T)?, b"ok");
+    assert_eq!(after.add("fresh-counter", 5)?, 5);
+    assert_eq!(before.get("keep", T)?, b"safe");
+    Ok(())
+}
+
+#[test]
+fn server_drop_does_not_hang() -> Result<()> {
+    let server = StoreServer::bind(loopback0(), None)?;
+    let addr = server.local_addr();
+    let _idle = StoreClient::connect(addr, None, T)?;
+    // A raw connection stuck mid-frame.
+    let mut half = TcpStream::connect(addr)?;
+    half.write_all(&frame(1, b"")[..5])?;
+    // A client blocked in a long get.
+    let c = StoreClient::connect(addr, None, T)?;
+    let waiter = std::thread::spawn(move || c.get("never", Duration::from_secs(60)));
+    std::thread::sleep(Duration::from_millis(100));
+    let start = Instant::now();
+    server.shutdown();
+    let took = start.elapsed();
+    assert!(took < Duration::from_secs(3), "shutdown took {took:?}");
+    let result = waiter.join().expect("waiter");
+    assert!(
+        matches!(result, Err(RendezvousError::Closed)),
+        "the waiting get ends with Closed: {result:?}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(3));
+    Ok(())
+}
+
+#[test]
+fn connect_retries_until_the_server_starts() -> Result<()> {
+    // Find a free port, release it, and start the server there a bit later.
+    let addr = StoreServer::bind(loopback0(), None)?.local_addr();
+    let starter = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        StoreServer::bind(addr, None)
+    });
+    let c = StoreClient::connect(addr, None, T)?;
+    let server = starter.join().expect("starter")?;
+    c.set("a", b"b")?;
+    assert_eq!(c.get("a", T)?, b"b");
+    drop(server);
+    // With nobody listening, connect gives up at its deadline.
+    let start = Instant::now();
+    assert!(StoreClient::connect(addr, None, Duration::from_millis(200)).is_err());
+    assert!(start.elapsed() < Duration::from_secs(3));
+    Ok(())
+}
+
+#[test]
+fn idle_connections_are_replaced_and_huge_timeouts_do_not_overflow() -> Result<()> {
+    let server = StoreServer::bind_with_idle_limit(loopback0(), None, Duration::from_millis(100))?;
+    let c = StoreClient::connect(server.local_addr(), None, Duration::MAX)?;
+    c.set("k", b"v1")?;
+    // The server drops the connection as idle; the client reconnects.
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(c.get("k", Duration::MAX)?, b"v1");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(c.add("n", 3)?, 3);
+    assert_eq!(c.add("n", 4)?, 7, "add is applied exactly once per call");
+    let dir = temp_dir("huge");
+    let f = FileRendezvous::new(0, 1, dir.clone())?;
+    f.set("x", b"y")?;
+    assert_eq!(f.get("x", Duration::MAX)?, b"y");
+    f.barrier("b", Duration::MAX)?;
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+fn random_id() -> [u8; ID_LEN] {
+    let mut id = [0u8; ID_LEN];
+    rand::rng().fill(&mut id[..]);
+    id
+}
+
+/// What one rank thread hands back: its ids per generation and its rendezvous.
+type RankOutcome = (Vec<[u8; ID_LEN]>, Box<dyn Rendezvous>);
+
+/// Every rank exchanges ids for several generations and passes barriers;
+/// checks that every rank got rank 0's id of each generation.
+fn drive_ranks(ranks: Vec<Box<dyn Rendezvous>>) -> Result<()> {
+    const GENERATIONS: u64 = 4;
+    let world = ranks.len();
+    let arrived = Arc::new(AtomicUsize::new(0));
+    let made = Arc::new(parking_lot::Mutex::new(HashMap::<u64, [u8; ID_LEN]>::new()));
+    let threads: Vec<_> = ranks
+        .into_iter()
+        .map(|rdzv| {
+            let arrived = Arc::clone(&arrived);
+            let made = Arc::clone(&made);
+            std::thread::spawn(move || -> Result<RankOutcome> {
+                let mut ids = Vec::new();
+                for generation in 0..GENERATIONS {
+                    let mut make = || {
+                        let id = random_id();
+                        made.lock().insert(generation, id);
+                        Ok(id)
+                    };
+                    ids.push(rdzv.exchange_id(generation, &mut make, T)?);
+                    // The same barrier name, reused: nobody leaves before all arrive.
+                    arrived.fetch_add(1, Ordering::SeqCst);
+                    rdzv.barrier("step", T)?;
+                    let seen = arrived.load(Ordering::SeqCst);
+                    let expected = world * (generation as usize + 1);
+                    ensure!(
+                        seen >= expected,
+                        "rank {} left early: {seen} < {expected}",
+                        rdzv.rank()
+                    );
+                    rdzv.barrier("after-step", T)?;
+                }
+                rdzv.barrier("end", T)?;
+                Ok((ids, rdzv))
+            })
+        })
+        .collect();
+    let mut results = Vec::new();
+    for t in threads {
+        results.push(t.join().expect("rank panicked")?);
+    }
+    let made = made.lock();
+    assert_eq!(
+        made.len(),
+        GENERATIONS as usize,
+        "rank 0 made one id per generation"
+    );
+    for (ids, rdzv) in &results {
+        for (generation, id) in ids.iter().enumerate() {
+            assert_eq!(
+                id,
+                &made[&(generation as u64)],
+                "rank {} generation {generation}",
+                rdzv.rank()
+            );
+        }
+    }
+    for g in 1..GENERATIONS {
+        assert_ne!(made[&g], made[&(g - 1)]);
+    }
+    Ok(())
+}
+
+#[test]
+fn tcp_rendezvous_four_ranks() -> Result<()> {
+    let token = Some("tok".to_owned());
+    let rank0 = TcpRendezvous::new(0, 4, loopback0(), token.clone(), T)?;
+    let addr = rank0.local_addr().context("rank 0 serves")?;
+    let mut ranks: Vec<Box<dyn Rendezvous>> = vec![Box::new(rank0)];
+    for rank in 1..4 {
+        ranks.push(Box::new(TcpRendezvous::new(
+            rank,
+            4,
+            addr,
+            token.clone(),
+            T,
+        )?));
+    }
+    drive_ranks(ranks)?;
+    // Nobody listens on the discard port: connecting gives up at the deadline.
+    let unreachable = SocketAddr::from(([127, 0, 0, 1], 9));
+    assert!(TcpRendezvous::new(1, 4, unreachable, None, Duration::from_millis(50)).is_err());
+    Ok(())
+}
+
+#[test]
+fn tcp_rendezvous_reports_make_errors_and_barrier_timeouts() -> Result<()> {
+    let rank0 = TcpRendezvous::new(0, 2, loopback0(), None, T)?;
+    let addr = rank0.local_addr().context("rank 0 serves")?;
+    let rank1 = TcpRendezvous::new(1, 2, addr, None, T)?;
+    let r0 = rank0.exchange_id(7, &mut || Err("no device".to_owned()), T);
+    assert!(
+        matches!(r0, Err(RendezvousError::MakeId(ref m)) if m == "no device"),
+        "{r0:?}"
+    );
+    let r1 = rank1.exchange_id(7, &mut || panic!("only rank 0 makes ids"), T);
+    assert!(
+        matches!(r1, Err(RendezvousError::MakeId(ref m)) if m.contains("no device")),
+        "{r1:?}"
+    );
+    let start = Instant::now();
+    let lonely = rank1.barrier("lonely", Duration::from_millis(150));
+    assert!(
+        matches!(lonely, Err(RendezvousError::Timeout { .. })),
+        "{lonely:?}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(3));
+    // Rank 1 waiting for an id that never comes times out too.
+    let missing = rank1.exchange_id(8, &mut || panic!("only rank 0"), Duration::from_millis(100));
+    assert!(
+        matches!(missing, Err(RendezvousError::Timeout { .. })),
+        "{missing:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn file_rendezvous_four_ranks() -> Result<()> {
+    let dir = temp_dir("file");
+    let mut ranks: Vec<Box<dyn Rendezvous>> = Vec::new();
+    for rank in 0..4 {
+        ranks.push(Box::new(FileRendezvous::new(rank, 4, dir.clone())?));
+    }
+    drive_ranks(ranks)?;
+    let lonely = FileRendezvous::new(1, 2, dir.join("lonely"))?;
+    let start = Instant::now();
+    assert!(matches!(
+        lonely.barrier("b", Duration::from_millis(100)),
+        Err(RendezvousError::Timeout { .. })
+    ));
+    assert!(start.elapsed() < Duration::from_secs(3));
+    assert!(FileRendezvous::new(4, 4, dir.clone()).is_err());
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+#[test]
+fn url_rendezvous_tcp_and_file() -> Result<()> {
+    let rank0 = TcpRendezvous::new(0, 2, loopback0(), None, T)?;
+    let port = rank0.local_addr().context("serves")?.port();
+    let rank1 = rendezvous_from_url(&format!("tcp://127.0.0.1:{port}?rank=1&world_size=2"), T)?;
+    assert_eq!((rank1.rank(), rank1.world_size()), (1, 2));
+    let id = random_id();
+    let t = std::thread::spawn(move || rank1.exchange_id(0, &mut || panic!("rank 1"), T));
+    assert_eq!(rank0.exchange_id(0, &mut || Ok(id), T)?, id);
+    assert_eq!(t.join().expect("rank 1")?, id);
+
+    let dir = temp_dir("url");
+    let url = format!("file://{}?rank=0&world_size=1", dir.display());
+    let solo = rendezvous_from_url(&url, T)?;
+    assert_eq!(solo.exchange_id(3, &mut || Ok(id), T)?, id);
+    solo.barrier("x", T)?;
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+#[test]
+fn url_parsing() {
+    assert_eq!(
+        RendezvousSpec::parse("env://").ok(),
+        Some(RendezvousSpec::Env)
+    );
+    assert_eq!(
+        RendezvousSpec::parse("file:///tmp/x?world_size=3").ok(),
+        Some(RendezvousSpec::File {
+            dir: PathBuf::from("/tmp/x"),
+            rank: None,
+            world_size: Some(3)
+        })
+    );
+    assert_eq!(
+        RendezvousSpec::parse("tcp://localhost:29500?rank=2&world_size=4").ok(),
+        Some(RendezvousSpec::Tcp {
+            host: "localhost".to_owned(),
+            port: 29500,
+            rank: Some(2),
+            world_size: Some(4)
+        })
+    );
+    for bad in [
+        "",
+        "http://x:1",
+        "env://x",
+        "file://relative",
+        "tcp://host",
+        "tcp://host:0",
+        "tcp://:80",
+        "tcp://h:99999",
+        "tcp://h:1?rank=x",
+        "tcp://h:1?color=3",
+    ] {
+        assert!(
+            matches!(RendezvousSpec::parse(bad), Err(RendezvousError::BadSpec(_))),
+            "{bad:?} must be refused"
+        );
+    }
+    assert!(matches!(
+        rendezvous_from_url("file:///tmp/x?rank=4&world_size=4", T),
+        Err(RendezvousError::BadEnv { var: "RANK", .. })
+    ));
+}
+
+fn lookup(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+    let map: HashMap<String, String> = vars
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    move |k| map.get(k).cloned()
+}
+
+#[test]
+fn env_config_parsing() {
+    let full = [
+        ("RANK", "2"),
+        ("WORLD_SIZE", "4"),
+        ("LOCAL_RANK", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29500"),
+    ];
+    let cfg = EnvConfig::from_lookup(lookup(&full)).expect("valid");
+    assert_eq!(
+        cfg,
+        EnvConfig {
+            rank: 2,
+            world_size: 4,
+            local_rank: 1,
+            master_addr: "127.0.0.1".to_owned(),
+            master_port: 29500
+        }
+    );
+    assert_eq!(
+        cfg.master_socket_addr().expect("resolves"),
+        SocketAddr::from(([127, 0, 0, 1], 29500))
+    );
+    // LOCAL_RANK defaults to RANK.
+    let no_local: Vec<_> = full
+        .iter()
+        .copied()
+        .filter(|(k, _)| *k != "LOCAL_RANK")
+        .collect();
+    assert_eq!(
+        EnvConfig::from_lookup(lookup(&no_local))
+            .expect("valid")
+            .local_rank,
+        2
+    );
+
+    let with = |var: &str, value: Option<&str>| {
+        let vars: Vec<(&str, &str)> = full
+            .iter()
+            .copied()
+            .filter(|(k, _)| *k != var)
+            .chain(value.map(|v| (var, v)))
+            .collect();
+        EnvConfig::from_lookup(lookup(&vars))
+    };
+    let cases: [(&str, Option<&str>, &str); 10] = [
+        ("RANK", None, "RANK"),
+        ("WORLD_SIZE", None, "WORLD_SIZE"),
+        ("MASTER_ADDR", None, "MASTER_ADDR"),
+        ("MASTER_ADDR", Some(""), "MASTER_ADDR"),
+        ("MASTER_PORT", None, "MASTER_PORT"),
+        ("RANK", Some("two"), "RANK"),
+        ("MASTER_PORT", Some("70000"), "MASTER_PORT"),
+        ("MASTER_PORT", Some("0"), "MASTER_PORT"),
+        ("RANK", Some("4"), "RANK"),
+        ("WORLD_SIZE", Some("0"), "WORLD_SIZE"),
+    ];
+    for (var, value, expected) in cases {
+        match with(var, value) {
+            Err(RendezvousError::BadEnv { var: got, reason }) => {
+                assert_eq!(got, expected, "{var}={value:?}: {reason}");
+            }
+            other => panic!("{var}={value:?}: expected BadEnv, got {other:?}"),
+        }
+    }
+    assert!(matches!(
+        with("LOCAL_RANK", Some("-1")),
+        Err(RendezvousError::BadEnv {
+            var: "LOCAL_RANK",
+            ..
+        })
+    ));
+}

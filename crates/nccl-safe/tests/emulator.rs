@@ -1,0 +1,300 @@
+//! nccl-safe against the CPU emulator (gpu-emu): ranks are threads of this
+//! process, driver and NCCL are `libgpu_emu.so` from the target directory.
+//!
+//! Invariants: every test sets up the environment through [`setup`] before
+//! any library is opened; outputs are poisoned before each run, inputs are
+//! random, and every element is compared with a host reference; every wait
+//! has a deadline.
+
+use std::sync::{Arc, Barrier, OnceLock};
+use std::time::Duration;
+
+use half::bf16;
+use nccl_safe::{
+    Comm, Context, DeviceBuffer, Error, ReduceOp, Stream, UniqueId, device_count, group,
+};
+use rand::Rng;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+/// Points both libraries at the emulator, once, before any is opened.
+fn setup() {
+    static ONCE: OnceLock<()> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        let exe = std::env::current_exe().expect("current exe");
+        let dir = exe.parent().expect("exe dir");
+        let lib = [dir.join("libgpu_emu.so"), dir.join("../libgpu_emu.so")]
+            .into_iter()
+            .find(|p| p.exists())
+            .expect("libgpu_emu.so next to the test binary: build gpu-emu first");
+        // SAFETY: runs once, inside the OnceLock that every test passes
+        // through before it touches a library, so no other thread of this
+        // process reads the environment concurrently.
+        unsafe {
+            std::env::set_var("METRALE_CUDA_LIBRARY", &lib);
+            std::env::set_var("METRALE_NCCL_LIBRARY", &lib);
+        }
+    });
+}
+
+/// Runs `f(rank)` on `n` threads and returns their results in rank order.
+fn ranks<R: Send + 'static>(n: usize, f: impl Fn(usize) -> R + Send + Sync + 'static) -> Vec<R> {
+    let f = Arc::new(f);
+    let handles: Vec<_> = (0..n)
+        .map(|r| {
+            let f = Arc::clone(&f);
+            std::thread::spawn(move || f(r))
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("rank thread panicked"))
+        .collect()
+}
+
+fn random_f32(n: usize) -> Vec<f32> {
+    let mut rng = rand::rng();
+    (0..n).map(|_| rng.random_range(-100.0f32..100.0)).collect()
+}
+
+#[test]
+fn two_rank_all_reduce_sums_every_element() {
+    setup();
+    assert!(device_count().unwrap() >= 2);
+    const N: usize = 1000;
+    let id = UniqueId::new().unwrap();
+    let inputs: Arc<Vec<Vec<f32>>> = Arc::new((0..2).map(|_| random_f32(N)).collect());
+    let outputs = {
+        let inputs = Arc::clone(&inputs);
+        ranks(2, move |rank| {
+            let ctx = Context::new(rank).unwrap();
+            let stream = Stream::new(&ctx).unwrap();
+            let comm = Comm::init_rank(&ctx, &id, 2, rank).unwrap();
+            assert_eq!((comm.rank(), comm.count(), comm.device()), (rank, 2, rank));
+            let send = DeviceBuffer::from_host(&ctx, &inputs[rank]).unwrap();
+            let mut recv = DeviceBuffer::<f32>::alloc(&ctx, N).unwrap();
+            recv.fill_bytes(0xff).unwrap();
+            comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &stream)
+                .unwrap();
+            stream.wait_until_idle(WAIT).unwrap();
+            comm.async_error().unwrap();
+            recv.to_host_vec().unwrap()
+        })
+    };
+    for out in outputs {
+        for (i, got) in out.iter().enumerate() {
+            let want = inputs[0][i] + inputs[1][i];
+            assert_eq!(
+                got.to_bits(),
+                want.to_bits(),
+                "element {i}: {got} != {want}"
+            );
+        }
+    }
+}
+
+#[test]
+fn nonblocking_comm_runs_bf16_all_reduce_and_all_gather() {
+    setup();
+    const N: usize = 257;
+    let id = UniqueId::new().unwrap();
+    let mut rng = rand::rng();
+    let inputs: Arc<Vec<Vec<bf16>>> = Arc::new(
+        (0..2)
+            .map(|_| {
+                (0..N)
+                    .map(|_| bf16::from_f32(rng.random_range(-8.0f32..8.0)))
+                    .collect()
+            })
+            .collect(),
+    );
+    let outputs = {
+        let inputs = Arc::clone(&inputs);
+        ranks(2, move |rank| {
+            let ctx = Context::new(rank).unwrap();
+            let stream = Stream::new(&ctx).unwrap();
+            let comm = Comm::init_rank_with_deadline(&ctx, &id, 2, rank, WAIT).unwrap();
+            assert!(comm.is_nonblocking());
+            let send = DeviceBuffer::from_host(&ctx, &inputs[rank]).unwrap();
+            let mut sum = DeviceBuffer::<bf16>::alloc(&ctx, N).unwrap();
+            sum.fill_bytes(0xff).unwrap();
+            let mut gathered = DeviceBuffer::<bf16>::alloc(&ctx, 2 * N).unwrap();
+            gathered.fill_bytes(0xff).unwrap();
+            comm.all_reduce(&send, &mut sum, ReduceOp::Sum, &stream)
+                .unwrap();
+            comm.all_gather(&send, &mut gathered, &stream).unwrap();
+            stream.wait_until_idle(WAIT).unwrap();
+            comm.async_error().unwrap();
+            (sum.to_host_vec().unwrap(), gathered.to_host_vec().unwrap())
+        })
+    };
+    for (sum, gathered) in outputs {
+        for i in 0..N {
+            let want = bf16::from_f32(inputs[0][i].to_f32() + inputs[1][i].to_f32());
+            assert_eq!(sum[i].to_bits(), want.to_bits(), "sum element {i}");
+            assert_eq!(
+                gathered[i].to_bits(),
+                inputs[0][i].to_bits(),
+                "gather rank 0, {i}"
+            );
+            assert_eq!(
+                gathered[N + i].to_bits(),
+                inputs[1][i].to_bits(),
+                "gather rank 1, {i}"
+            );
+        }
+    }
+}
+
+#[test]
+fn grouped_send_recv_ring_moves_every_element() {
+    setup();
+    const R: usize = 3;
+    const N: usize = 100;
+    let id = UniqueId::new().unwrap();
+    let mut rng = rand::rng();
+    let inputs: Arc<Vec<Vec<i64>>> = Arc::new(
+        (0..R)
+            .map(|_| (0..N).map(|_| rng.random()).collect())
+            .collect(),
+    );
+    let outputs = {
+        let inputs = Arc::clone(&inputs);
+        ranks(R, move |rank| {
+            let ctx = Context::new(rank).unwrap();
+            let stream = Stream::new(&ctx).unwrap();
+            let comm = Comm::init_rank(&ctx, &id, R, rank).unwrap();
+            let send = DeviceBuffer::from_host(&ctx, &inputs[rank]).unwrap();
+            let mut recv = DeviceBuffer::<i64>::alloc(&ctx, N).unwrap();
+            recv.fill_bytes(0xa5).unwrap();
+            group(|| {
+                comm.send(&send, (rank + 1) % R, &stream)?;
+                comm.recv(&mut recv, (rank + R - 1) % R, &stream)
+            })
+            .unwrap();
+            stream.wait_until_idle(WAIT).unwrap();
+            recv.to_host_vec().unwrap()
+        })
+    };
+    for (rank, out) in outputs.iter().enumerate() {
+        assert_eq!(out, &inputs[(rank + R - 1) % R], "rank {rank}");
+    }
+}
+
+#[test]
+fn arguments_are_checked_and_abort_refuses_later_calls() {
+    setup();
+    let id = UniqueId::new().unwrap();
+    ranks(2, move |rank| {
+        let ctx = Context::new(rank).unwrap();
+        let other = Context::new(1 - rank).unwrap();
+        let stream = Stream::new(&ctx).unwrap();
+        let comm = Comm::init_rank(&ctx, &id, 2, rank).unwrap();
+        let a = DeviceBuffer::<f32>::from_host(&ctx, &random_f32(8)).unwrap();
+        let mut b = DeviceBuffer::<f32>::alloc(&ctx, 9).unwrap();
+        let mut foreign = DeviceBuffer::<f32>::alloc(&other, 8).unwrap();
+        let invalid = |r: nccl_safe::Result<()>| {
+            let e = r.unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+        };
+        invalid(comm.all_reduce(&a, &mut b, ReduceOp::Sum, &stream));
+        invalid(comm.all_gather(&a, &mut b, &stream));
+        invalid(comm.broadcast_in_place(&mut b, 2, &stream));
+        invalid(comm.send(&a, 5, &stream));
+        invalid(comm.all_reduce(&a, &mut foreign, ReduceOp::Sum, &stream));
+        // SAFETY: a null pointer with a non-zero count is refused before NCCL.
+        invalid(unsafe {
+            comm.all_reduce_raw(
+                0,
+                0,
+                4,
+                nccl_safe::DataType::Float32,
+                ReduceOp::Sum,
+                stream.raw(),
+            )
+        });
+        // Each rank aborts alone: nothing was enqueued, so no peer waits.
+        let handle = comm.abort_handle();
+        assert!(!handle.is_aborted());
+        handle.abort().unwrap();
+        handle.abort().unwrap();
+        comm.abort().unwrap();
+        assert!(comm.is_aborted() && handle.is_aborted());
+        let e = comm
+            .all_reduce(&a, &mut foreign, ReduceOp::Sum, &stream)
+            .unwrap_err();
+        assert!(matches!(e, Error::Aborted { .. }), "{e}");
+        let e = comm.async_error().unwrap_err();
+        assert!(matches!(e, Error::Aborted { .. }), "{e}");
+        drop(comm);
+        handle.abort().unwrap();
+    });
+}
+
+#[test]
+fn init_misses_its_deadline_when_a_rank_never_joins() {
+    setup();
+    let id = UniqueId::new().unwrap();
+    let ctx = Context::new(0).unwrap();
+    let after = Duration::from_millis(300);
+    let e = Comm::init_rank_with_deadline(&ctx, &id, 2, 0, after).unwrap_err();
+    match e {
+        Error::Timeout { what, after: a } => {
+            assert_eq!(what, "communicator init");
+            assert_eq!(a, after);
+        }
+        other => panic!("expected a timeout, got {other}"),
+    }
+}
+
+#[test]
+fn split_groups_ranks_by_color() {
+    setup();
+    const R: usize = 4;
+    let id = UniqueId::new().unwrap();
+    let barrier = Arc::new(Barrier::new(R));
+    let inputs: Arc<Vec<Vec<i32>>> = Arc::new(
+        (0..R)
+            .map(|_| {
+                (0..16)
+                    .map(|_| rand::rng().random_range(-1000..1000))
+                    .collect()
+            })
+            .collect(),
+    );
+    let outputs = {
+        let inputs = Arc::clone(&inputs);
+        ranks(R, move |rank| {
+            let ctx = Context::new(rank).unwrap();
+            let stream = Stream::new(&ctx).unwrap();
+            let comm = Comm::init_rank(&ctx, &id, R, rank).unwrap();
+            // Ranks 0 and 2 form one communicator; rank 3 sits out.
+            let color = match rank {
+                3 => None,
+                r => Some((r % 2) as i32),
+            };
+            let child = comm.split(color, rank as i32).unwrap();
+            barrier.wait();
+            let Some(child) = child else {
+                assert_eq!(rank, 3);
+                return None;
+            };
+            let mut buf = DeviceBuffer::from_host(&ctx, &inputs[rank]).unwrap();
+            child
+                .all_reduce_in_place(&mut buf, ReduceOp::Max, &stream)
+                .unwrap();
+            stream.wait_until_idle(WAIT).unwrap();
+            Some((child.rank(), child.count(), buf.to_host_vec().unwrap()))
+        })
+    };
+    assert!(outputs[3].is_none());
+    let (r0, n0, v0) = outputs[0].clone().unwrap();
+    let (r2, n2, v2) = outputs[2].clone().unwrap();
+    let (r1, n1, v1) = outputs[1].clone().unwrap();
+    assert_eq!((r0, n0, r2, n2, r1, n1), (0, 2, 1, 2, 0, 1));
+    for i in 0..16 {
+        assert_eq!(v0[i], inputs[0][i].max(inputs[2][i]), "element {i}");
+        assert_eq!(v2[i], v0[i], "element {i}");
+        assert_eq!(v1[i], inputs[1][i], "element {i}");
+    }
+}
