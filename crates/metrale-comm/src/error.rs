@@ -159,6 +159,8 @@ pub enum FailureKind {
     AsyncError(nccl_safe::Error),
     /// The call itself failed after work may have been enqueued.
     CallFailed(nccl_safe::Error),
+    /// `attempt_reconnect` could not build a new communicator.
+    Reconnect(String),
 }
 
 impl fmt::Display for Failure {
@@ -172,6 +174,7 @@ impl fmt::Display for Failure {
             FailureKind::Timeout { after } => write!(f, "did not complete within {after:?}"),
             FailureKind::AsyncError(e) => write!(f, "hit an asynchronous NCCL error: {e}"),
             FailureKind::CallFailed(e) => write!(f, "failed: {e}"),
+            FailureKind::Reconnect(e) => write!(f, "could not reconnect: {e}"),
         }
     }
 }

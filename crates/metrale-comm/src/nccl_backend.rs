@@ -1401,7 +1401,14 @@ impl CommBackend for NcclBackend {
         inner.group_depth.store(0, Ordering::Release);
         inner.watched.lock().clear();
         inner.event_pool.lock().clear();
-        inner.connect(&mut slot, next)?;
+        if let Err(e) = inner.connect(&mut slot, next) {
+            drop(slot);
+            // No communicator is left: make every later call say why.
+            let seq = inner.recorder.last_seq();
+            inner.health.failure.lock().take();
+            inner.poison(OP, seq, FailureKind::Reconnect(e.to_string()));
+            return Err(e);
+        }
         *inner.health.failure.lock() = None;
         inner.health.poisoned.store(false, Ordering::Release);
         tracing::info!(
@@ -1584,7 +1591,8 @@ impl NcclBackend {
     }
 }
 
-/// `ncclGroupStart` (`start`) or `ncclGroupEnd`.
+/// `ncclGroupStart` (`start`) or `ncclGroupEnd`; `ncclInProgress` counts as
+/// success.
 fn nccl_group_call(op: &'static str, start: bool) -> Result<()> {
     let refused = |source| CommError::Refused { op, source };
     let nccl = nccl_sys::nccl().map_err(|e| refused(e.into()))?;
@@ -1603,6 +1611,11 @@ fn nccl_group_call(op: &'static str, start: bool) -> Result<()> {
     } else {
         "ncclGroupEnd"
     };
+    // On non-blocking communicators the group's work may still be being
+    // enqueued: each communicator's next call waits for it (nccl-safe).
+    if rc == nccl_sys::ncclResult_t::ncclInProgress {
+        return Ok(());
+    }
     nccl_safe::nccl_check(rc, call, std::ptr::null_mut()).map_err(refused)
 }
 
