@@ -1,2 +1,176 @@
-//! Placeholder.
-#[unsafe(no_mangle)] pub extern "C" fn cuInit(_f: u32) -> i32 { 0 }
+//! A CPU emulator of the CUDA driver API and of NCCL, built as a shared
+//! library that is loaded in place of `libcuda.so.1` and `libnccl.so.2`
+//! (point `METRALE_CUDA_LIBRARY` and `METRALE_NCCL_LIBRARY` at the same
+//! `libgpu_emu.so`), so the real stack runs in CI without GPUs.
+//!
+//! # What is emulated
+//! - **Driver**: `cuInit` is required first. `METRALE_EMU_DEVICES` devices
+//!   (default 8) named "Metrale emulated GPU", 80 GiB each (a budget, not
+//!   reserved), compute capability 9.0, peer access between every pair,
+//!   driver version 13000. Primary contexts are retained and released with a
+//!   reference count; the current context is per thread.
+//! - **Memory**: device memory is host memory, 256-byte aligned and filled
+//!   with `0xA5` so unwritten outputs show. Every live allocation is in a
+//!   registry; every range a copy, memset, kernel or collective touches must
+//!   lie inside one live allocation (`CUDA_ERROR_INVALID_VALUE` or
+//!   `ncclInvalidArgument` otherwise). `cuMemGetInfo` reports the bytes
+//!   allocated on the current device. Pinned host memory is plain host memory
+//!   kept in the same registry.
+//! - **Streams**: each created stream is an in-order queue drained by its own
+//!   worker thread, so work is asynchronous: `cuStreamQuery` says
+//!   `CUDA_ERROR_NOT_READY` while work is pending. Events are markers in the
+//!   queue, timed with host clocks. Stream capture records work instead of
+//!   running it; a graph launch enqueues a fresh execution of the recorded
+//!   work (a captured collective is a new collective on every replay).
+//! - **Kernels**: `cuModuleLoadData` reads the `.entry` names of PTX text;
+//!   the project's kernel `bf16_add_inplace` runs on the host with the GPU's
+//!   arithmetic (`bf16(f32(dst) + f32(src))`, round to nearest even).
+//! - **NCCL 2.28.3**: ranks are threads of one process; communicators of one
+//!   unique id meet in a process-wide registry. Blocking and non-blocking
+//!   init, split, groups, every collective and send/recv, all data types but
+//!   fp8, every built-in reduction (16-bit floats are added in `f32` and
+//!   rounded after each add, in rank order), registration, windows,
+//!   `ncclMemAlloc`, abort, finalize, destroy and asynchronous errors.
+//!
+//! # What is simplified
+//! - The NULL stream and `CU_STREAM_LEGACY` / `CU_STREAM_PER_THREAD` are one
+//!   legacy queue per device, and every call that enqueues on them waits for
+//!   its work before returning: work there is synchronous with the host.
+//! - Cross-stream capture is not supported: recording an event on a capturing
+//!   stream is a no-op, and waiting on a pending event from a capturing
+//!   stream returns `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`.
+//! - Releasing a primary context does not free its allocations.
+//! - A send is buffered (eager): it completes once its data is posted.
+//! - `ncclCommShrink`, `ncclCommInitRankScalable`, `ncclGroupSimulateEnd`
+//!   and `ncclRedOpCreatePreMulSum` return `ncclInvalidUsage`.
+//! - When a rank aborts, its peers stay blocked in the collective until they
+//!   abort too, as with real NCCL.
+//!
+//! # Control API
+//! Exported C functions, resolved by the suite from the same library:
+//! `metrale_emu_inject(rank, fault, nth) -> int` (1 hang, 2 async error,
+//! 3 init fails, 4 never joins init, 5 dies; `nth` counts the rank's
+//! collectives and send/recv per communicator from 1, at launch; each fault
+//! fires once), `metrale_emu_reset()` (clears every fault) and
+//! `metrale_emu_nccl_calls() -> unsigned long long` (NCCL API calls so far).
+//! `METRALE_EMU_FAULTS="RANK:KIND@N;..."` (KIND one of `hang`, `async`,
+//! `initfail`, `nojoin`, `die`) is read on first use.
+//!
+//! # Invariants
+//! - No panic crosses the C boundary: every exported body runs under
+//!   `catch_unwind` and a panic becomes an error code.
+//! - Handles are ids from one never-reused counter, looked up in tables, so a
+//!   stale or foreign handle is an error, never a dangling dereference.
+//! - No lock is held while blocking on another rank except through a
+//!   condition variable wait with a short timeout, so abort is prompt.
+
+#![allow(non_snake_case)]
+
+#[cfg(test)]
+mod abi;
+mod driver;
+mod errors;
+mod fault;
+mod kernels;
+mod memory;
+mod nccl;
+mod stream;
+
+use std::collections::BTreeMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+
+pub use fault::Fault;
+
+/// The value a C caller sees for a handle id.
+pub(crate) fn id_to_ptr<T>(id: u64) -> *mut T {
+    std::ptr::without_provenance_mut(id as usize)
+}
+
+/// The handle id behind a C handle.
+pub(crate) fn ptr_to_id<T>(p: *const T) -> u64 {
+    p as usize as u64
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(0x1_0000);
+
+/// A fresh, never reused, non-null handle id.
+pub(crate) fn new_id() -> u64 {
+    NEXT_ID.fetch_add(0x10, Ordering::Relaxed)
+}
+
+/// A table of live objects by handle id.
+pub(crate) struct Table<T> {
+    map: Mutex<BTreeMap<u64, Arc<T>>>,
+}
+
+impl<T> Table<T> {
+    pub(crate) const fn new() -> Self {
+        Self {
+            map: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// Stores `v` under a fresh id and returns the id.
+    pub(crate) fn insert(&self, v: Arc<T>) -> u64 {
+        let id = new_id();
+        self.map.lock().insert(id, v);
+        id
+    }
+
+    /// Stores `v` under `id`.
+    pub(crate) fn insert_at(&self, id: u64, v: Arc<T>) {
+        self.map.lock().insert(id, v);
+    }
+
+    pub(crate) fn get(&self, id: u64) -> Option<Arc<T>> {
+        self.map.lock().get(&id).cloned()
+    }
+
+    pub(crate) fn remove(&self, id: u64) -> Option<Arc<T>> {
+        self.map.lock().remove(&id)
+    }
+
+    pub(crate) fn values(&self) -> Vec<Arc<T>> {
+        self.map.lock().values().cloned().collect()
+    }
+}
+
+/// Runs `f`, turning a panic into `on_panic`.
+pub(crate) fn guard<R>(on_panic: R, f: impl FnOnce() -> R) -> R {
+    std::panic::catch_unwind(AssertUnwindSafe(f)).unwrap_or(on_panic)
+}
+
+/// Writes `v` through `p` when `p` is not null; says whether it wrote.
+///
+/// # Safety
+/// `p` is null or valid for a write of a `T`.
+pub(crate) unsafe fn put<T>(p: *mut T, v: T) -> bool {
+    if p.is_null() {
+        return false;
+    }
+    // SAFETY: `p` is not null and valid for a write (this function's contract).
+    unsafe { p.write_unaligned(v) };
+    true
+}
+
+/// Injects a fault; see [`Fault`]. Returns 0, or -1 on a bad argument.
+#[unsafe(no_mangle)]
+pub extern "C" fn metrale_emu_inject(rank: i32, fault: i32, nth: u64) -> i32 {
+    guard(-1, || fault::inject(rank, fault, nth))
+}
+
+/// Clears every injected fault.
+#[unsafe(no_mangle)]
+pub extern "C" fn metrale_emu_reset() {
+    guard((), fault::reset)
+}
+
+/// The number of NCCL API calls made so far in this process.
+#[unsafe(no_mangle)]
+pub extern "C" fn metrale_emu_nccl_calls() -> u64 {
+    nccl::calls()
+}

@@ -1,0 +1,145 @@
+//! Fault injection: a process-wide list of faults keyed by rank, filled by
+//! `metrale_emu_inject` and by `METRALE_EMU_FAULTS` (read on first use).
+//!
+//! Invariants: each fault fires once and is then removed; operation faults
+//! match a communicator's rank and the 1-based count of that communicator's
+//! collectives and send/recv, taken at launch.
+
+use parking_lot::Mutex;
+
+/// A fault the emulator can inject into one rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Fault {
+    /// The rank's `nth` operation never completes (until it is aborted).
+    Hang,
+    /// The `nth` operation completes, then the communicator reports
+    /// `ncclSystemError` asynchronously.
+    Async,
+    /// The rank's next init returns `ncclSystemError`.
+    InitFail,
+    /// The rank's next init never registers: its peers never finish init.
+    NoJoin,
+    /// At the `nth` operation the communicator behaves as crashed.
+    Die,
+}
+
+impl Fault {
+    fn from_code(code: i32) -> Option<Self> {
+        Some(match code {
+            1 => Fault::Hang,
+            2 => Fault::Async,
+            3 => Fault::InitFail,
+            4 => Fault::NoJoin,
+            5 => Fault::Die,
+            _ => return None,
+        })
+    }
+
+    fn from_name(name: &str) -> Option<Self> {
+        Some(match name {
+            "hang" => Fault::Hang,
+            "async" => Fault::Async,
+            "initfail" => Fault::InitFail,
+            "nojoin" => Fault::NoJoin,
+            "die" => Fault::Die,
+            _ => return None,
+        })
+    }
+
+    fn is_init(self) -> bool {
+        matches!(self, Fault::InitFail | Fault::NoJoin)
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    rank: i32,
+    fault: Fault,
+    nth: u64,
+}
+
+/// `None` until the environment has been read.
+static FAULTS: Mutex<Option<Vec<Entry>>> = Mutex::new(None);
+
+fn parse_env() -> Vec<Entry> {
+    let Ok(spec) = std::env::var("METRALE_EMU_FAULTS") else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for item in spec.split(';').map(str::trim).filter(|s| !s.is_empty()) {
+        match parse_item(item) {
+            Some(e) => out.push(e),
+            None => tracing::warn!(item, "METRALE_EMU_FAULTS: ignoring a malformed entry"),
+        }
+    }
+    out
+}
+
+fn parse_item(item: &str) -> Option<Entry> {
+    let (rank, rest) = item.split_once(':')?;
+    let rank: i32 = rank.trim().parse().ok()?;
+    let (kind, nth) = match rest.split_once('@') {
+        Some((k, n)) => (k.trim(), n.trim().parse().ok()?),
+        None => (rest.trim(), 1),
+    };
+    let fault = Fault::from_name(kind)?;
+    (rank >= 0 && (fault.is_init() || nth >= 1)).then_some(Entry { rank, fault, nth })
+}
+
+fn with<R>(f: impl FnOnce(&mut Vec<Entry>) -> R) -> R {
+    let mut g = FAULTS.lock();
+    let list = g.get_or_insert_with(parse_env);
+    f(list)
+}
+
+/// Adds a fault; 0 on success, -1 on a bad argument.
+pub(crate) fn inject(rank: i32, fault: i32, nth: u64) -> i32 {
+    let Some(fault) = Fault::from_code(fault) else {
+        return -1;
+    };
+    if rank < 0 || (!fault.is_init() && nth == 0) {
+        return -1;
+    }
+    with(|l| l.push(Entry { rank, fault, nth }));
+    0
+}
+
+/// Clears every fault (the environment is not read again).
+pub(crate) fn reset() {
+    *FAULTS.lock() = Some(Vec::new());
+}
+
+/// Takes the operation fault for `rank`'s `nth` operation, if any.
+pub(crate) fn take_op(rank: i32, nth: u64) -> Option<Fault> {
+    with(|l| {
+        let i = l
+            .iter()
+            .position(|e| e.rank == rank && !e.fault.is_init() && e.nth == nth)?;
+        Some(l.remove(i).fault)
+    })
+}
+
+/// Takes the init fault for `rank`, if any.
+pub(crate) fn take_init(rank: i32) -> Option<Fault> {
+    with(|l| {
+        let i = l.iter().position(|e| e.rank == rank && e.fault.is_init())?;
+        Some(l.remove(i).fault)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_items() {
+        let e = parse_item("3:hang@2").unwrap();
+        assert_eq!((e.rank, e.fault, e.nth), (3, Fault::Hang, 2));
+        let e = parse_item("0:nojoin").unwrap();
+        assert_eq!(e.fault, Fault::NoJoin);
+        assert!(parse_item("x:hang@1").is_none());
+        assert!(parse_item("1:boom@1").is_none());
+        assert!(parse_item("1:die@0").is_none());
+    }
+}

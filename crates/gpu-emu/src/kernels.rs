@@ -1,0 +1,278 @@
+//! Modules and kernels: PTX `.entry` names are parsed, and the project's
+//! kernels that the emulator knows run as host code on the stream.
+//!
+//! Invariants:
+//! - A function handle exists only for an entry that is in its module's PTX
+//!   and has a host implementation.
+//! - Every range a kernel touches is checked at launch and again when it
+//!   runs.
+
+use std::ffi::{CStr, c_char, c_uint, c_void};
+use std::sync::Arc;
+
+use cuda_sys::{CUfunction, CUmodule, CUresult, CUstream};
+use half::bf16;
+
+use crate::memory::range_ok;
+use crate::stream::{self, Launcher};
+use crate::{Table, driver, guard, id_to_ptr, ptr_to_id, put};
+
+/// The kernels with a host implementation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kernel {
+    /// `bf16_add_inplace(bf16* dst, const bf16* src, u64 n)`.
+    Bf16AddInplace,
+}
+
+impl Kernel {
+    fn by_name(name: &str) -> Option<Self> {
+        match name {
+            "bf16_add_inplace" => Some(Kernel::Bf16AddInplace),
+            _ => None,
+        }
+    }
+}
+
+struct Module {
+    entries: Vec<String>,
+}
+
+static MODULES: Table<Module> = Table::new();
+static FUNCTIONS: Table<Kernel> = Table::new();
+
+/// The names of the `.entry` directives of PTX text.
+fn entries(ptx: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = ptx;
+    while let Some(i) = rest.find(".entry") {
+        rest = &rest[i + ".entry".len()..];
+        let name: String = rest
+            .trim_start()
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '$' | '.'))
+            .collect();
+        if !name.is_empty() {
+            out.push(name);
+        }
+    }
+    out
+}
+
+/// `dst[i] = bf16(f32(dst[i]) + f32(src[i]))`, round to nearest even.
+///
+/// # Safety
+/// `dst` and `src` are valid for `n` bf16 values.
+unsafe fn bf16_add(dst: u64, src: u64, n: usize) {
+    let d = dst as usize as *mut bf16;
+    let s = src as usize as *const bf16;
+    for i in 0..n {
+        // SAFETY: `i < n` and both ranges hold `n` values (this function's
+        // contract); unaligned access keeps odd addresses sound.
+        unsafe {
+            let a = d.add(i).read_unaligned();
+            let b = s.add(i).read_unaligned();
+            d.add(i)
+                .write_unaligned(bf16::from_f32(a.to_f32() + b.to_f32()));
+        }
+    }
+}
+
+fn code(r: Result<(), CUresult>) -> CUresult {
+    r.err().unwrap_or(CUresult::CUDA_SUCCESS)
+}
+
+fn check_init() -> Result<(), CUresult> {
+    if driver::initialized() {
+        Ok(())
+    } else {
+        Err(CUresult::CUDA_ERROR_NOT_INITIALIZED)
+    }
+}
+
+/// `cuModuleLoadData`: NUL-terminated PTX text.
+///
+/// # Safety
+/// `image` is null or a NUL-terminated string; `module` is null or valid for
+/// a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuModuleLoadData(module: *mut CUmodule, image: *const c_void) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        code((|| {
+            check_init()?;
+            driver::current_device().ok_or(CUresult::CUDA_ERROR_INVALID_CONTEXT)?;
+            if module.is_null() || image.is_null() {
+                return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+            }
+            // SAFETY: `image` is a NUL-terminated string (this function's contract).
+            let text = unsafe { CStr::from_ptr(image.cast::<c_char>()) }
+                .to_str()
+                .map_err(|_| CUresult::CUDA_ERROR_INVALID_IMAGE)?;
+            if !text.contains(".version") && !text.contains(".entry") {
+                return Err(CUresult::CUDA_ERROR_INVALID_IMAGE);
+            }
+            let id = MODULES.insert(Arc::new(Module {
+                entries: entries(text),
+            }));
+            // SAFETY: `module` is non-null and valid (this function's contract).
+            unsafe { put(module, id_to_ptr(id)) };
+            Ok(())
+        })())
+    })
+}
+
+/// `cuModuleUnload`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuModuleUnload(module: CUmodule) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        code(check_init().and_then(|_| {
+            MODULES
+                .remove(ptr_to_id(module))
+                .map(|_| ())
+                .ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)
+        }))
+    })
+}
+
+/// `cuModuleGetFunction`: `CUDA_ERROR_NOT_FOUND` for a name not in the
+/// module, or one the emulator cannot run.
+///
+/// # Safety
+/// `name` is null or NUL-terminated; `func` is null or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuModuleGetFunction(
+    func: *mut CUfunction,
+    module: CUmodule,
+    name: *const c_char,
+) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        code((|| {
+            check_init()?;
+            let m = MODULES
+                .get(ptr_to_id(module))
+                .ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
+            if func.is_null() || name.is_null() {
+                return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+            }
+            // SAFETY: `name` is NUL-terminated (this function's contract).
+            let name = unsafe { CStr::from_ptr(name) }
+                .to_str()
+                .map_err(|_| CUresult::CUDA_ERROR_NOT_FOUND)?;
+            if !m.entries.iter().any(|e| e == name) {
+                return Err(CUresult::CUDA_ERROR_NOT_FOUND);
+            }
+            let k = Kernel::by_name(name).ok_or(CUresult::CUDA_ERROR_NOT_FOUND)?;
+            let id = FUNCTIONS.insert(Arc::new(k));
+            // SAFETY: `func` is non-null and valid (this function's contract).
+            unsafe { put(func, id_to_ptr(id)) };
+            Ok(())
+        })())
+    })
+}
+
+/// `cuLaunchKernel`: runs the kernel's host implementation on the stream;
+/// grid and block dimensions are checked to be non-zero and otherwise
+/// ignored.
+///
+/// # Safety
+/// `params` is null or an array of pointers to the kernel's arguments.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLaunchKernel(
+    f: CUfunction,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    _shared: c_uint,
+    s: CUstream,
+    params: *mut *mut c_void,
+    _extra: *mut *mut c_void,
+) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        code((|| {
+            check_init()?;
+            let k = FUNCTIONS
+                .get(ptr_to_id(f))
+                .ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
+            if [gx, gy, gz, bx, by, bz].contains(&0) || params.is_null() {
+                return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+            }
+            let target = stream::resolve(s, None)?;
+            match *k {
+                Kernel::Bf16AddInplace => {
+                    // SAFETY: `params` holds pointers to the three arguments
+                    // (this function's contract).
+                    let (dst, src, n) = unsafe {
+                        let p0 = *params.add(0);
+                        let p1 = *params.add(1);
+                        let p2 = *params.add(2);
+                        if p0.is_null() || p1.is_null() || p2.is_null() {
+                            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+                        }
+                        (
+                            p0.cast::<u64>().read_unaligned(),
+                            p1.cast::<u64>().read_unaligned(),
+                            p2.cast::<u64>().read_unaligned(),
+                        )
+                    };
+                    let n = usize::try_from(n).map_err(|_| CUresult::CUDA_ERROR_INVALID_VALUE)?;
+                    let bytes = n.checked_mul(2).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+                    if !range_ok(dst, bytes, true) || !range_ok(src, bytes, true) {
+                        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+                    }
+                    let l: Launcher = Arc::new(move || {
+                        Box::new(move || {
+                            if !range_ok(dst, bytes, true) || !range_ok(src, bytes, true) {
+                                tracing::error!(
+                                    dst,
+                                    src,
+                                    n,
+                                    "bf16_add_inplace on freed memory skipped"
+                                );
+                                return;
+                            }
+                            // SAFETY: both ranges hold `n` bf16 values (checked
+                            // just above).
+                            unsafe { bf16_add(dst, src, n) };
+                        })
+                    });
+                    stream::submit(&target, l)
+                }
+            }
+        })())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_entries() {
+        let ptx = ".version 8.0\n.target sm_90\n.visible .entry bf16_add_inplace(\n .param .u64 a\n)\n{}\n.entry other_kernel (\n)";
+        assert_eq!(entries(ptx), vec!["bf16_add_inplace", "other_kernel"]);
+    }
+
+    #[test]
+    fn bf16_add_rounds_like_the_gpu() {
+        let mut d = [bf16::from_f32(1.0), bf16::from_bits(0x3f81)];
+        let s = [bf16::from_bits(0x3b80), bf16::from_bits(0x3f81)];
+        // SAFETY: both arrays hold two values.
+        unsafe {
+            bf16_add(
+                d.as_mut_ptr() as usize as u64,
+                s.as_ptr() as usize as u64,
+                2,
+            )
+        };
+        for (i, x) in d.iter().enumerate() {
+            let want = if i == 0 {
+                bf16::from_f32(1.0 + bf16::from_bits(0x3b80).to_f32())
+            } else {
+                bf16::from_f32(2.0 * bf16::from_bits(0x3f81).to_f32())
+            };
+            assert_eq!(x.to_bits(), want.to_bits());
+        }
+    }
+}

@@ -1,0 +1,682 @@
+//! Streams, events and graphs.
+//!
+//! A stream is an in-order queue of work drained by its own worker thread.
+//! Work is enqueued as a [`Launcher`], a re-runnable closure that makes one
+//! execution ([`Work`]) when the work is launched: at the API call, or at each
+//! graph launch when it was captured.
+//!
+//! Invariants:
+//! - `completed <= enqueued`; a stream is idle when they are equal.
+//! - A capturing stream records launchers and runs nothing.
+//! - The NULL / legacy / per-thread handles are one legacy stream per device,
+//!   and every submission to it is waited for before the call returns.
+//! - A destroyed stream drains its queue, then its worker exits.
+
+use std::collections::VecDeque;
+use std::ffi::c_uint;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use cuda_sys::{
+    CUevent, CUevent_flags_enum, CUgraph, CUgraphExec, CUresult, CUstream, CUstreamCaptureMode,
+    CUstreamCaptureStatus,
+};
+use parking_lot::{Condvar, Mutex};
+
+use crate::driver::{self, current_device};
+use crate::{Table, guard, id_to_ptr, ptr_to_id, put};
+
+/// One execution of enqueued work.
+pub(crate) type Work = Box<dyn FnOnce() + Send>;
+/// Makes one execution of some work; called at launch.
+pub(crate) type Launcher = Arc<dyn Fn() -> Work + Send + Sync>;
+
+const TICK: Duration = Duration::from_millis(20);
+
+struct StreamState {
+    queue: VecDeque<Work>,
+    enqueued: u64,
+    completed: u64,
+    capture: Option<Vec<Launcher>>,
+    closing: bool,
+}
+
+/// An emulated stream.
+pub(crate) struct Stream {
+    device: i32,
+    st: Mutex<StreamState>,
+    cv: Condvar,
+}
+
+impl Stream {
+    fn spawn(device: i32) -> Result<Arc<Stream>, CUresult> {
+        let s = Arc::new(Stream {
+            device,
+            st: Mutex::new(StreamState {
+                queue: VecDeque::new(),
+                enqueued: 0,
+                completed: 0,
+                capture: None,
+                closing: false,
+            }),
+            cv: Condvar::new(),
+        });
+        let w = s.clone();
+        std::thread::Builder::new()
+            .name(format!("emu-stream-d{device}"))
+            .spawn(move || w.worker())
+            .map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
+        Ok(s)
+    }
+
+    fn worker(&self) {
+        loop {
+            let work = {
+                let mut st = self.st.lock();
+                loop {
+                    if let Some(w) = st.queue.pop_front() {
+                        break w;
+                    }
+                    if st.closing {
+                        return;
+                    }
+                    self.cv.wait(&mut st);
+                }
+            };
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)).is_err() {
+                tracing::error!("emulated stream work panicked");
+            }
+            let mut st = self.st.lock();
+            st.completed += 1;
+            self.cv.notify_all();
+        }
+    }
+
+    fn push(&self, w: Work) {
+        let mut st = self.st.lock();
+        st.queue.push_back(w);
+        st.enqueued += 1;
+        self.cv.notify_all();
+    }
+
+    /// Whether the stream is capturing.
+    pub(crate) fn capturing(&self) -> bool {
+        self.st.lock().capture.is_some()
+    }
+
+    fn idle(&self) -> bool {
+        let st = self.st.lock();
+        st.completed == st.enqueued
+    }
+
+    /// Waits until the work enqueued so far has run.
+    pub(crate) fn wait_idle(&self) -> Result<(), CUresult> {
+        let mut st = self.st.lock();
+        if st.capture.is_some() {
+            return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+        }
+        let target = st.enqueued;
+        while st.completed < target {
+            self.cv.wait_for(&mut st, TICK);
+        }
+        Ok(())
+    }
+
+    fn close(&self) {
+        let mut st = self.st.lock();
+        st.closing = true;
+        self.cv.notify_all();
+    }
+}
+
+static STREAMS: Table<Stream> = Table::new();
+
+fn legacy(device: i32) -> Result<Arc<Stream>, CUresult> {
+    static L: OnceLock<Mutex<Vec<Option<Arc<Stream>>>>> = OnceLock::new();
+    let l = L.get_or_init(|| Mutex::new(vec![None; 64]));
+    let mut g = l.lock();
+    let slot = g
+        .get_mut(device as usize)
+        .ok_or(CUresult::CUDA_ERROR_INVALID_CONTEXT)?;
+    if let Some(s) = slot {
+        return Ok(s.clone());
+    }
+    let s = Stream::spawn(device)?;
+    *slot = Some(s.clone());
+    Ok(s)
+}
+
+/// Where work goes: a stream, and whether the call waits for it.
+pub(crate) struct Target {
+    /// The stream.
+    pub(crate) stream: Arc<Stream>,
+    /// The legacy stream: the call waits for its work.
+    pub(crate) sync: bool,
+}
+
+fn is_legacy(h: CUstream) -> bool {
+    matches!(ptr_to_id(h), 0..=2)
+}
+
+/// Resolves a stream handle; the legacy handles use `device`, else the
+/// current context's device.
+pub(crate) fn resolve(h: CUstream, device: Option<i32>) -> Result<Target, CUresult> {
+    if is_legacy(h) {
+        let d = device
+            .or_else(current_device)
+            .ok_or(CUresult::CUDA_ERROR_INVALID_CONTEXT)?;
+        return Ok(Target {
+            stream: legacy(d)?,
+            sync: true,
+        });
+    }
+    let s = STREAMS
+        .get(ptr_to_id(h))
+        .ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
+    Ok(Target {
+        stream: s,
+        sync: false,
+    })
+}
+
+/// Launches `l` on `t` (or records it when capturing); waits for legacy work.
+pub(crate) fn submit(t: &Target, l: Launcher) -> Result<(), CUresult> {
+    if enqueue(t, l) && t.sync {
+        t.stream.wait_idle()?;
+    }
+    Ok(())
+}
+
+/// Launches `l` on `t` (or records it when capturing) without waiting;
+/// says whether it was launched.
+pub(crate) fn enqueue(t: &Target, l: Launcher) -> bool {
+    {
+        let mut st = t.stream.st.lock();
+        if let Some(cap) = st.capture.as_mut() {
+            cap.push(l);
+            return false;
+        }
+    }
+    t.stream.push(l());
+    true
+}
+
+/// Waits for every stream of `device`.
+pub(crate) fn sync_device(device: i32) -> Result<(), CUresult> {
+    for s in STREAMS.values() {
+        if s.device == device && !s.capturing() {
+            s.wait_idle()?;
+        }
+    }
+    legacy(device)?.wait_idle()
+}
+
+fn code(r: Result<(), CUresult>) -> CUresult {
+    r.err().unwrap_or(CUresult::CUDA_SUCCESS)
+}
+
+fn check_init() -> Result<(), CUresult> {
+    if driver::initialized() {
+        Ok(())
+    } else {
+        Err(CUresult::CUDA_ERROR_NOT_INITIALIZED)
+    }
+}
+
+/// `cuStreamCreate`: a stream of the current device with its own worker.
+///
+/// # Safety
+/// `ph` is null or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamCreate(ph: *mut CUstream, flags: c_uint) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        code((|| {
+            check_init()?;
+            let d = current_device().ok_or(CUresult::CUDA_ERROR_INVALID_CONTEXT)?;
+            if ph.is_null() || flags > 1 {
+                return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+            }
+            let id = STREAMS.insert(Stream::spawn(d)?);
+            // SAFETY: `ph` is non-null and valid (this function's contract).
+            unsafe { put(ph, id_to_ptr(id)) };
+            Ok(())
+        })())
+    })
+}
+
+/// `cuStreamDestroy_v2`: pending work still runs, then the worker exits.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamDestroy_v2(h: CUstream) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        code((|| {
+            check_init()?;
+            if is_legacy(h) {
+                return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
+            }
+            let s = STREAMS
+                .remove(ptr_to_id(h))
+                .ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
+            s.close();
+            Ok(())
+        })())
+    })
+}
+
+/// `cuStreamQuery`: `CUDA_ERROR_NOT_READY` while work is pending.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamQuery(h: CUstream) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        code((|| {
+            check_init()?;
+            let t = resolve(h, None)?;
+            if t.stream.capturing() {
+                return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+            }
+            if t.stream.idle() {
+                Ok(())
+            } else {
+                Err(CUresult::CUDA_ERROR_NOT_READY)
+            }
+        })())
+    })
+}
+
+/// `cuStreamSynchronize`: blocks until the stream's work has run.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamSynchronize(h: CUstream) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        code((|| {
+            check_init()?;
+            resolve(h, None)?.stream.wait_idle()
+        })())
+    })
+}
+
+/// `cuStreamBeginCapture_v2`: later work on the stream is recorded.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamBeginCapture_v2(h: CUstream, mode: CUstreamCaptureMode) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        code((|| {
+            check_init()?;
+            if mode.0 > 2 {
+                return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+            }
+            if is_legacy(h) {
+                return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+            }
+            let t = resolve(h, None)?;
+            let mut st = t.stream.st.lock();
+            if st.capture.is_some() {
+                return Err(CUresult::CUDA_ERROR_ILLEGAL_STATE);
+            }
+            st.capture = Some(Vec::new());
+            Ok(())
+        })())
+    })
+}
+
+/// A recorded sequence of work.
+struct Graph {
+    nodes: Vec<Launcher>,
+}
+
+static GRAPHS: Table<Graph> = Table::new();
+static EXECS: Table<Graph> = Table::new();
+
+/// `cuStreamEndCapture`: the recorded work as a graph.
+///
+/// # Safety
+/// `ph` is null or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamEndCapture(h: CUstream, ph: *mut CUgraph) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        code((|| {
+            check_init()?;
+            if ph.is_null() {
+                return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+            }
+            if is_legacy(h) {
+                return Err(CUresult::CUDA_ERROR_ILLEGAL_STATE);
+            }
+            let t = resolve(h, None)?;
+            let nodes = t
+                .stream
+                .st
+                .lock()
+                .capture
+                .take()
+                .ok_or(CUresult::CUDA_ERROR_ILLEGAL_STATE)?;
+            let id = GRAPHS.insert(Arc::new(Graph { nodes }));
+            // SAFETY: `ph` is non-null and valid (this function's contract).
+            unsafe { put(ph, id_to_ptr(id)) };
+            Ok(())
+        })())
+    })
+}
+
+/// `cuStreamIsCapturing`.
+///
+/// # Safety
+/// `status` is null or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamIsCapturing(
+    h: CUstream,
+    status: *mut CUstreamCaptureStatus,
+) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        code((|| {
+            check_init()?;
+            let t = resolve(h, None)?;
+            let s = if t.stream.capturing() {
+                CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE
+            } else {
+                CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+            };
+            // SAFETY: `status` is null or valid (this function's contract).
+            if unsafe { put(status, s) } {
+                Ok(())
+            } else {
+                Err(CUresult::CUDA_ERROR_INVALID_VALUE)
+            }
+        })())
+    })
+}
+
+/// `cuGraphInstantiateWithFlags`.
+///
+/// # Safety
+/// `ph` is null or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphInstantiateWithFlags(
+    ph: *mut CUgraphExec,
+    graph: CUgraph,
+    _flags: u64,
+) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        code((|| {
+            check_init()?;
+            let g = GRAPHS
+                .get(ptr_to_id(graph))
+                .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+            if ph.is_null() {
+                return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+            }
+            let id = EXECS.insert(Arc::new(Graph {
+                nodes: g.nodes.clone(),
+            }));
+            // SAFETY: `ph` is non-null and valid (this function's contract).
+            unsafe { put(ph, id_to_ptr(id)) };
+            Ok(())
+        })())
+    })
+}
+
+/// `cuGraphLaunch`: a fresh execution of the recorded work on `h`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuGraphLaunch(exec: CUgraphExec, h: CUstream) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        code((|| {
+            check_init()?;
+            let g = EXECS
+                .get(ptr_to_id(exec))
+                .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+            let t = resolve(h, None)?;
+            if t.stream.capturing() {
+                return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+            }
+            let works: Vec<Work> = g.nodes.iter().map(|l| l()).collect();
+            t.stream.push(Box::new(move || {
+                for w in works {
+                    w();
+                }
+            }));
+            if t.sync {
+                t.stream.wait_idle()?;
+            }
+            Ok(())
+        })())
+    })
+}
+
+/// `cuGraphExecDestroy`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuGraphExecDestroy(exec: CUgraphExec) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        code(check_init().and_then(|_| {
+            EXECS
+                .remove(ptr_to_id(exec))
+                .map(|_| ())
+                .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)
+        }))
+    })
+}
+
+/// `cuGraphDestroy`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuGraphDestroy(graph: CUgraph) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        code(check_init().and_then(|_| {
+            GRAPHS
+                .remove(ptr_to_id(graph))
+                .map(|_| ())
+                .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)
+        }))
+    })
+}
+
+struct EventState {
+    /// Generation of the latest record.
+    recorded: u64,
+    /// Highest generation whose marker has run.
+    done: u64,
+    time: Option<Instant>,
+}
+
+/// An emulated event.
+struct Event {
+    timing: bool,
+    st: Mutex<EventState>,
+    cv: Condvar,
+}
+
+impl Event {
+    fn complete(&self, generation: u64) {
+        let mut st = self.st.lock();
+        if generation > st.done {
+            st.done = generation;
+            st.time = Some(Instant::now());
+        }
+        self.cv.notify_all();
+    }
+
+    fn wait(&self, generation: u64) {
+        let mut st = self.st.lock();
+        while st.done < generation {
+            self.cv.wait_for(&mut st, TICK);
+        }
+    }
+}
+
+static EVENTS: Table<Event> = Table::new();
+
+fn event(h: CUevent) -> Result<Arc<Event>, CUresult> {
+    EVENTS
+        .get(ptr_to_id(h))
+        .ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)
+}
+
+/// `cuEventCreate`.
+///
+/// # Safety
+/// `ph` is null or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuEventCreate(ph: *mut CUevent, flags: c_uint) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        code((|| {
+            check_init()?;
+            current_device().ok_or(CUresult::CUDA_ERROR_INVALID_CONTEXT)?;
+            if ph.is_null() || flags > 7 {
+                return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+            }
+            let timing = flags & CUevent_flags_enum::CU_EVENT_DISABLE_TIMING.0 == 0;
+            let id = EVENTS.insert(Arc::new(Event {
+                timing,
+                st: Mutex::new(EventState {
+                    recorded: 0,
+                    done: 0,
+                    time: None,
+                }),
+                cv: Condvar::new(),
+            }));
+            // SAFETY: `ph` is non-null and valid (this function's contract).
+            unsafe { put(ph, id_to_ptr(id)) };
+            Ok(())
+        })())
+    })
+}
+
+/// `cuEventDestroy_v2`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuEventDestroy_v2(h: CUevent) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        code(check_init().and_then(|_| {
+            EVENTS
+                .remove(ptr_to_id(h))
+                .map(|_| ())
+                .ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)
+        }))
+    })
+}
+
+/// `cuEventRecord`: a marker on the stream; a no-op on a capturing stream.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuEventRecord(h: CUevent, s: CUstream) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        code((|| {
+            check_init()?;
+            let ev = event(h)?;
+            let t = resolve(s, None)?;
+            if t.stream.capturing() {
+                return Ok(());
+            }
+            let generation = {
+                let mut st = ev.st.lock();
+                st.recorded += 1;
+                st.recorded
+            };
+            submit(
+                &t,
+                Arc::new(move || {
+                    let ev = ev.clone();
+                    Box::new(move || ev.complete(generation))
+                }),
+            )
+        })())
+    })
+}
+
+/// `cuEventQuery`: `CUDA_ERROR_NOT_READY` until the stream reaches the
+/// latest record; an event never recorded is complete.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuEventQuery(h: CUevent) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        code((|| {
+            check_init()?;
+            let ev = event(h)?;
+            let st = ev.st.lock();
+            if st.done >= st.recorded {
+                Ok(())
+            } else {
+                Err(CUresult::CUDA_ERROR_NOT_READY)
+            }
+        })())
+    })
+}
+
+/// `cuEventSynchronize`: blocks until the latest record has run.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuEventSynchronize(h: CUevent) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        code((|| {
+            check_init()?;
+            let ev = event(h)?;
+            let g = ev.st.lock().recorded;
+            ev.wait(g);
+            Ok(())
+        })())
+    })
+}
+
+/// `cuStreamWaitEvent`: the stream waits for the event's latest record at
+/// the time of the call (none: no wait).
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamWaitEvent(s: CUstream, h: CUevent, _flags: c_uint) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        code((|| {
+            check_init()?;
+            let ev = event(h)?;
+            let t = resolve(s, None)?;
+            let g = {
+                let st = ev.st.lock();
+                if st.done >= st.recorded {
+                    return Ok(());
+                }
+                st.recorded
+            };
+            if t.stream.capturing() {
+                return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+            }
+            submit(
+                &t,
+                Arc::new(move || {
+                    let ev = ev.clone();
+                    Box::new(move || ev.wait(g))
+                }),
+            )
+        })())
+    })
+}
+
+/// `cuEventElapsedTime_v2`: milliseconds between the two markers' host
+/// times.
+///
+/// # Safety
+/// `ms` is null or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuEventElapsedTime_v2(
+    ms: *mut f32,
+    start: CUevent,
+    end: CUevent,
+) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        code((|| {
+            check_init()?;
+            let (a, b) = (event(start)?, event(end)?);
+            if ms.is_null() {
+                return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+            }
+            if !a.timing || !b.timing {
+                return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
+            }
+            let time = |e: &Event| {
+                let st = e.st.lock();
+                if st.recorded == 0 {
+                    Err(CUresult::CUDA_ERROR_INVALID_HANDLE)
+                } else if st.done < st.recorded {
+                    Err(CUresult::CUDA_ERROR_NOT_READY)
+                } else {
+                    st.time.ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)
+                }
+            };
+            let (ta, tb) = (time(&a)?, time(&b)?);
+            let v = if tb >= ta {
+                tb.duration_since(ta).as_secs_f64() * 1e3
+            } else {
+                -(ta.duration_since(tb).as_secs_f64() * 1e3)
+            };
+            // SAFETY: `ms` is non-null and valid (this function's contract).
+            unsafe { put(ms, v as f32) };
+            Ok(())
+        })())
+    })
+}

@@ -1,0 +1,244 @@
+//! Helpers shared by the emulator's integration tests: open the built
+//! `libgpu_emu.so` through cuda-sys / nccl-sys exactly as the stack does, and
+//! small wrappers for contexts, memory, streams and communicators.
+//!
+//! Invariant: every call checks its return code, so a helper never hides an
+//! error.
+
+#![allow(dead_code)]
+
+use std::ffi::c_void;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use cuda_sys::{CUcontext, CUdeviceptr, CUresult, CUstream, Cuda};
+use nccl_sys::{Nccl, ncclComm_t, ncclResult_t, ncclUniqueId};
+
+/// `target/debug/deps/libgpu_emu.so`, next to the test binary.
+pub fn libpath() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    exe.parent().expect("deps dir").join("libgpu_emu.so")
+}
+
+/// The emulator opened as the CUDA driver, initialised.
+pub fn cuda() -> &'static Cuda {
+    static INIT: OnceLock<()> = OnceLock::new();
+    INIT.get_or_init(|| {
+        let p = libpath();
+        assert!(p.exists(), "{} is missing", p.display());
+        // SAFETY: set once, before the libraries are opened, under the
+        // OnceLock; no other thread of this test binary reads these two
+        // variables concurrently (they are only read when opening).
+        unsafe {
+            std::env::set_var(cuda_sys::LIBRARY_ENV, &p);
+            std::env::set_var(nccl_sys::LIBRARY_ENV, &p);
+        }
+        let c = cuda_sys::cuda().expect("open the emulator as libcuda");
+        // SAFETY: cuInit takes a flags word.
+        ck(unsafe { cuda_sys::call!(c, cuInit(0)) }.unwrap());
+    });
+    cuda_sys::cuda().expect("driver")
+}
+
+/// The emulator opened as NCCL.
+pub fn nccl() -> &'static Nccl {
+    cuda();
+    nccl_sys::nccl().expect("open the emulator as libnccl")
+}
+
+/// The emulator's control functions.
+pub fn control() -> &'static libloading::Library {
+    static LIB: OnceLock<libloading::Library> = OnceLock::new();
+    LIB.get_or_init(|| {
+        cuda();
+        // SAFETY: the library is the emulator, already loaded by `cuda()`.
+        unsafe { libloading::Library::new(libpath()) }.expect("open emulator")
+    })
+}
+
+/// `metrale_emu_inject`.
+pub fn inject(rank: i32, fault: i32, nth: u64) -> i32 {
+    // SAFETY: the symbol has this signature (docs/architecture.md).
+    unsafe {
+        let f: libloading::Symbol<unsafe extern "C" fn(i32, i32, u64) -> i32> =
+            control().get(b"metrale_emu_inject\0").unwrap();
+        f(rank, fault, nth)
+    }
+}
+
+/// `metrale_emu_reset`.
+pub fn reset() {
+    // SAFETY: the symbol has this signature (docs/architecture.md).
+    unsafe {
+        let f: libloading::Symbol<unsafe extern "C" fn()> =
+            control().get(b"metrale_emu_reset\0").unwrap();
+        f()
+    }
+}
+
+/// `metrale_emu_nccl_calls`.
+pub fn nccl_calls() -> u64 {
+    // SAFETY: the symbol has this signature (docs/architecture.md).
+    unsafe {
+        let f: libloading::Symbol<unsafe extern "C" fn() -> u64> =
+            control().get(b"metrale_emu_nccl_calls\0").unwrap();
+        f()
+    }
+}
+
+/// Asserts a driver call succeeded.
+#[track_caller]
+pub fn ck(r: CUresult) {
+    assert_eq!(r, CUresult::CUDA_SUCCESS);
+}
+
+/// Asserts an NCCL call succeeded.
+#[track_caller]
+pub fn nck(r: ncclResult_t) {
+    assert_eq!(r, ncclResult_t::ncclSuccess);
+}
+
+/// Makes `dev`'s primary context current on this thread.
+pub fn set_device(dev: i32) -> CUcontext {
+    let c = cuda();
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: `ctx` is a valid out-parameter.
+    unsafe {
+        ck(cuda_sys::call!(c, cuDevicePrimaryCtxRetain(&mut ctx, dev)).unwrap());
+        ck(cuda_sys::call!(c, cuCtxSetCurrent(ctx)).unwrap());
+    }
+    ctx
+}
+
+/// Device memory of `bytes` on the current device.
+pub fn alloc(bytes: usize) -> CUdeviceptr {
+    let mut p = 0;
+    // SAFETY: `p` is a valid out-parameter.
+    ck(unsafe { cuda_sys::call!(cuda(), cuMemAlloc_v2(&mut p, bytes)) }.unwrap());
+    p
+}
+
+/// Frees device memory.
+pub fn free(p: CUdeviceptr) {
+    // SAFETY: `p` came from `alloc`.
+    ck(unsafe { cuda_sys::call!(cuda(), cuMemFree_v2(p)) }.unwrap());
+}
+
+/// Copies `data` to the device.
+pub fn upload<T: Copy>(dst: CUdeviceptr, data: &[T]) {
+    // SAFETY: `data` is valid for its size in bytes.
+    ck(unsafe {
+        cuda_sys::call!(
+            cuda(),
+            cuMemcpyHtoD_v2(dst, data.as_ptr().cast::<c_void>(), size_of_val(data))
+        )
+    }
+    .unwrap());
+}
+
+/// Copies `n` values from the device.
+pub fn download<T: Copy + Default>(src: CUdeviceptr, n: usize) -> Vec<T> {
+    let mut v = vec![T::default(); n];
+    // SAFETY: `v` is valid for its size in bytes.
+    ck(unsafe {
+        cuda_sys::call!(
+            cuda(),
+            cuMemcpyDtoH_v2(v.as_mut_ptr().cast::<c_void>(), src, size_of_val(&v[..]))
+        )
+    }
+    .unwrap());
+    v
+}
+
+/// Fills device memory with a poison byte.
+pub fn poison(p: CUdeviceptr, bytes: usize) {
+    // SAFETY: plain values.
+    ck(unsafe { cuda_sys::call!(cuda(), cuMemsetD8_v2(p, 0x7F, bytes)) }.unwrap());
+}
+
+/// A new stream of the current device.
+pub fn stream() -> CUstream {
+    let mut s = std::ptr::null_mut();
+    // SAFETY: `s` is a valid out-parameter.
+    ck(unsafe { cuda_sys::call!(cuda(), cuStreamCreate(&mut s, 0)) }.unwrap());
+    s
+}
+
+/// `cuStreamQuery`.
+pub fn query(s: CUstream) -> CUresult {
+    // SAFETY: `s` is a stream handle.
+    unsafe { cuda_sys::call!(cuda(), cuStreamQuery(s)) }.unwrap()
+}
+
+/// `cuStreamSynchronize`, asserted successful.
+pub fn sync(s: CUstream) {
+    // SAFETY: `s` is a stream handle.
+    ck(unsafe { cuda_sys::call!(cuda(), cuStreamSynchronize(s)) }.unwrap());
+}
+
+/// `cuStreamDestroy_v2`, asserted successful.
+pub fn destroy_stream(s: CUstream) {
+    // SAFETY: `s` is a stream handle.
+    ck(unsafe { cuda_sys::call!(cuda(), cuStreamDestroy_v2(s)) }.unwrap());
+}
+
+/// A fresh unique id.
+pub fn unique_id() -> ncclUniqueId {
+    let mut id = ncclUniqueId::default();
+    // SAFETY: `id` is a valid out-parameter.
+    nck(unsafe { nccl_sys::call!(nccl(), ncclGetUniqueId(&mut id)) }.unwrap());
+    id
+}
+
+/// Blocking init of `rank` of `n`.
+pub fn init(n: i32, id: ncclUniqueId, rank: i32) -> ncclComm_t {
+    let mut c = std::ptr::null_mut();
+    // SAFETY: `c` is a valid out-parameter.
+    nck(unsafe { nccl_sys::call!(nccl(), ncclCommInitRank(&mut c, n, id, rank)) }.unwrap());
+    c
+}
+
+/// `ncclCommGetAsyncError`'s value.
+pub fn async_error(c: ncclComm_t) -> ncclResult_t {
+    let mut e = ncclResult_t::ncclSuccess;
+    // SAFETY: `e` is a valid out-parameter.
+    nck(unsafe { nccl_sys::call!(nccl(), ncclCommGetAsyncError(c, &mut e)) }.unwrap());
+    e
+}
+
+/// `ncclCommAbort`.
+pub fn abort(c: ncclComm_t) -> ncclResult_t {
+    // SAFETY: `c` is a communicator handle.
+    unsafe { nccl_sys::call!(nccl(), ncclCommAbort(c)) }.unwrap()
+}
+
+/// `ncclCommDestroy`.
+pub fn destroy(c: ncclComm_t) -> ncclResult_t {
+    // SAFETY: `c` is a communicator handle.
+    unsafe { nccl_sys::call!(nccl(), ncclCommDestroy(c)) }.unwrap()
+}
+
+/// The last-error text of `c`.
+pub fn last_error(c: ncclComm_t) -> String {
+    // SAFETY: the emulator returns a static NUL-terminated string.
+    unsafe {
+        let p = nccl_sys::call!(nccl(), ncclGetLastError(c)).unwrap();
+        std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned()
+    }
+}
+
+/// Random non-zero f32 values in [-8, 8].
+pub fn random_f32(n: usize) -> Vec<f32> {
+    use rand::Rng;
+    let mut r = rand::rng();
+    (0..n)
+        .map(|_| {
+            loop {
+                let v: f32 = r.random_range(-8.0..8.0);
+                if v != 0.0 {
+                    break v;
+                }
+            }
+        })
+        .collect()
+}
