@@ -1,0 +1,604 @@
+//! Scenarios on the `CommBackend` layer: every operation on random data
+//! against a host reference, both all-reduce paths, sync and async, graph
+//! capture replay, barriers, bad inputs, `LocalBackend`, the engine flow.
+//!
+//! Invariants: device buffers are poisoned (or overwritten with fresh
+//! random data) before every operation and every element is checked.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail, ensure};
+use half::bf16;
+use metrale_comm::{
+    AllReducePath, CommBackend, CommError, FastPathPolicy, LocalBackend, NcclBackend,
+};
+use nccl_safe::{DataType, DeviceBuffer, Stream};
+
+use crate::RankCtx;
+use crate::data::{POISON_BYTE, SuiteElem, check, hash, random_vec, size_name, sum_in_rank_order};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Byte sizes of the all-reduce sweep: 1 element to 256 MiB, odd counts.
+/// The emulator stops at 64 MiB to keep `cargo test` short.
+fn sweep(on_gpu: bool) -> Vec<usize> {
+    let mut v: Vec<usize> = [
+        1usize,
+        3,
+        17,
+        255,
+        1000,
+        4097,
+        8191,
+        65537,
+        131_071,
+        (1 << 20) + 7,
+        3 << 19,
+    ]
+    .iter()
+    .map(|n| n * 2)
+    .collect();
+    v.extend([
+        1 << 10,
+        64 << 10,
+        1 << 20,
+        2 << 20,
+        4 << 20,
+        8 << 20,
+        16 << 20,
+        32 << 20,
+        64 << 20,
+    ]);
+    if on_gpu {
+        v.extend([128 << 20, 256 << 20]);
+    }
+    v.sort_unstable();
+    v
+}
+
+fn exact(ctx: &RankCtx) -> bool {
+    ctx.world_size <= 2 || !ctx.on_gpu()
+}
+
+/// all_reduce at every sweep size, with the fast path always and never,
+/// synchronous and on a compute stream; fast-path results bit-identical
+/// across ranks.
+pub fn all_reduce_sweep(ctx: &RankCtx) -> anyhow::Result<()> {
+    let seed = ctx.shared_seed("sweep")?;
+    let w = ctx.world_size;
+    for (pi, policy) in [FastPathPolicy::Always, FastPathPolicy::Never]
+        .into_iter()
+        .enumerate()
+    {
+        let b = ctx.backend(&format!("sweep-{pi}"), ctx.config().with_fast_path(policy))?;
+        let compute = Stream::new(b.context())?;
+        for (si, bytes) in sweep(ctx.on_gpu()).into_iter().enumerate() {
+            let n = bytes / 2;
+            let want_fast = w == 2 && policy == FastPathPolicy::Always;
+            let path = b.all_reduce_path(bytes);
+            ensure!(
+                (path == AllReducePath::FastPath) == want_fast,
+                "{policy:?}: all_reduce_path({bytes}) = {path:?}"
+            );
+            for asynchronous in [false, true] {
+                let salt = (pi as u64) << 40 | (si as u64) << 8 | asynchronous as u64;
+                let inputs: Vec<Vec<bf16>> = (0..w).map(|k| random_vec(seed, k, salt, n)).collect();
+                let want = sum_in_rank_order(&inputs);
+                let what = format!(
+                    "all_reduce{} {} bf16 ({policy:?})",
+                    if asynchronous { "_async" } else { "" },
+                    size_name(bytes)
+                );
+                ctx.step(what.clone());
+                let buf = DeviceBuffer::from_host(b.context(), &inputs[ctx.rank])?;
+                if asynchronous {
+                    // SAFETY: `buf` holds `bytes` bytes on this backend's
+                    // device and lives until the compute stream is idle.
+                    unsafe { b.all_reduce_async(buf.device_ptr(), bytes, compute.raw() as u64) }
+                        .with_context(|| what.clone())?;
+                    compute
+                        .wait_until_idle(WAIT)
+                        .with_context(|| what.clone())?;
+                } else {
+                    // SAFETY: as above; synchronize waits for the operation.
+                    unsafe { b.all_reduce(buf.device_ptr(), bytes) }
+                        .with_context(|| what.clone())?;
+                    b.synchronize().with_context(|| what.clone())?;
+                }
+                let got = buf.to_host_vec()?;
+                check(&what, &got, &want, exact(ctx), w)?;
+                if want_fast {
+                    ctx.all_equal(&format!("fast-{pi}-{si}-{asynchronous}"), hash(&got))?;
+                }
+            }
+        }
+        b.shutdown()?;
+    }
+    Ok(())
+}
+
+/// all_gather, reduce_scatter (bf16, f32), broadcast, grouped send/recv,
+/// registration and symmetric memory, a custom add kernel, barrier.
+pub fn every_operation(ctx: &RankCtx) -> anyhow::Result<()> {
+    let seed = ctx.shared_seed("ops")?;
+    let (w, r) = (ctx.world_size, ctx.rank);
+    let b = ctx.backend("ops", ctx.config().with_fast_path(FastPathPolicy::DEFAULT))?;
+    let c = b.context().clone();
+    let stream = Stream::new(&c)?;
+    for (si, n) in [1usize, 17, 4097, 65537, (1 << 20) + 7]
+        .into_iter()
+        .enumerate()
+    {
+        let salt = si as u64 * 101;
+        let inputs: Vec<Vec<bf16>> = (0..w).map(|k| random_vec(seed, k, salt, n)).collect();
+        let bytes = n * 2;
+        let send = DeviceBuffer::from_host(&c, &inputs[r])?;
+
+        ctx.step(format!("all_gather {}", size_name(bytes)));
+        let mut recv = DeviceBuffer::<bf16>::alloc(&c, n * w)?;
+        recv.fill_bytes(POISON_BYTE)?;
+        // SAFETY: send holds `bytes`, recv `bytes * w`, on this device, alive
+        // until synchronize returns.
+        unsafe { b.all_gather(send.device_ptr(), recv.device_ptr(), bytes)? };
+        b.synchronize()?;
+        check(
+            "backend all_gather",
+            &recv.to_host_vec()?,
+            &inputs.concat(),
+            true,
+            w,
+        )?;
+
+        ctx.step(format!("reduce_scatter {}", size_name(bytes)));
+        reduce_scatter::<bf16>(ctx, &b, seed, salt, n)?;
+        reduce_scatter::<f32>(ctx, &b, seed, salt, n)?;
+
+        ctx.step(format!("broadcast {}", size_name(bytes)));
+        let root = w - 1;
+        let mut buf = DeviceBuffer::<bf16>::alloc(&c, n)?;
+        if r == root {
+            buf.copy_from_host(&inputs[r])?;
+        } else {
+            buf.fill_bytes(POISON_BYTE)?;
+        }
+        // SAFETY: buf holds `bytes` on this device; broadcast waits for it.
+        unsafe { b.broadcast(buf.device_ptr(), bytes, root)? };
+        check(
+            "backend broadcast",
+            &buf.to_host_vec()?,
+            &inputs[root],
+            true,
+            w,
+        )?;
+
+        ctx.step(format!("send_to/recv_from {}", size_name(bytes)));
+        let mut recv = DeviceBuffer::<bf16>::alloc(&c, n)?;
+        recv.fill_bytes(POISON_BYTE)?;
+        let (to, from) = ((r + 1) % w, (r + w - 1) % w);
+        b.group_start()?;
+        // SAFETY: send and recv hold `bytes` on this device and live until
+        // the stream is idle below; the stream is of this backend's context.
+        let sr = unsafe {
+            b.send_to(send.device_ptr(), bytes, to, stream.raw() as u64)
+                .and_then(|()| b.recv_from(recv.device_ptr(), bytes, from, stream.raw() as u64))
+        };
+        b.group_end()?;
+        sr?;
+        stream.wait_until_idle(WAIT)?;
+        check(
+            "backend send/recv ring",
+            &recv.to_host_vec()?,
+            &inputs[from],
+            true,
+            w,
+        )?;
+
+        ctx.step(format!(
+            "registered + symmetric all_reduce {}",
+            size_name(bytes)
+        ));
+        let sym = b.symmetric_alloc(bytes)?;
+        let mut staging = DeviceBuffer::<bf16>::alloc(&c, n)?;
+        // SAFETY: `sym` is `bytes` of device memory from symmetric_alloc,
+        // alive until symmetric_free below.
+        let handle = unsafe { b.register_buffer(sym, bytes)? };
+        staging.copy_from_host(&inputs[r])?;
+        copy_d2d(&staging, sym, bytes)?;
+        // SAFETY: sym holds `bytes`; synchronize waits for the operation.
+        unsafe { b.all_reduce(sym, bytes)? };
+        b.synchronize()?;
+        staging.fill_bytes(POISON_BYTE)?;
+        copy_d2d_back(sym, &mut staging, bytes)?;
+        check(
+            "all_reduce on symmetric registered memory",
+            &staging.to_host_vec()?,
+            &sum_in_rank_order(&inputs),
+            exact(ctx),
+            w,
+        )?;
+        b.deregister_buffer(handle)?;
+        b.symmetric_free(sym)?;
+    }
+
+    ctx.step("custom add kernel");
+    let module = nccl_safe::Module::load_ptx(
+        &c,
+        include_str!("../../../metrale-comm/kernels/bf16_add.ptx"),
+    )?;
+    let f = module.function("bf16_add_inplace")?;
+    // SAFETY: `f` is the project's add kernel with the required signature,
+    // loaded in this backend's context, alive until the backend shuts down.
+    unsafe { b.set_add_kernel(f.raw() as u64)? };
+    let n = 65537;
+    let inputs: Vec<Vec<bf16>> = (0..w).map(|k| random_vec(seed, k, 0xadd, n)).collect();
+    let buf = DeviceBuffer::from_host(&c, &inputs[r])?;
+    // SAFETY: buf holds 2n bytes; synchronize waits for the operation.
+    unsafe { b.all_reduce(buf.device_ptr(), 2 * n)? };
+    b.synchronize()?;
+    check(
+        "all_reduce with the engine's add kernel",
+        &buf.to_host_vec()?,
+        &sum_in_rank_order(&inputs),
+        exact(ctx),
+        w,
+    )?;
+
+    ctx.step("barrier");
+    b.barrier()?;
+    ensure!(b.is_healthy(), "backend unhealthy after every operation");
+    b.shutdown()?;
+    drop(module);
+    Ok(())
+}
+
+fn copy_d2d(src: &DeviceBuffer<bf16>, dst: u64, bytes: usize) -> anyhow::Result<()> {
+    let host = src.to_host_vec()?;
+    let lib = cuda_sys::cuda()?;
+    src.context().make_current()?;
+    // SAFETY: `dst` is device memory of at least `bytes` bytes and `host`
+    // holds `bytes` bytes for the duration of the synchronous copy.
+    let rc = unsafe { cuda_sys::call!(lib, cuMemcpyHtoD_v2(dst, host.as_ptr().cast(), bytes))? };
+    nccl_safe::cuda_check(rc, "cuMemcpyHtoD_v2")?;
+    Ok(())
+}
+
+fn copy_d2d_back(src: u64, dst: &mut DeviceBuffer<bf16>, bytes: usize) -> anyhow::Result<()> {
+    let mut host = vec![bf16::ZERO; bytes / 2];
+    let lib = cuda_sys::cuda()?;
+    dst.context().make_current()?;
+    // SAFETY: `src` is device memory of at least `bytes` bytes and `host`
+    // has room for `bytes` bytes for the duration of the synchronous copy.
+    let rc =
+        unsafe { cuda_sys::call!(lib, cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), src, bytes))? };
+    nccl_safe::cuda_check(rc, "cuMemcpyDtoH_v2")?;
+    dst.copy_from_host(&host)?;
+    Ok(())
+}
+
+fn reduce_scatter<T: SuiteElem>(
+    ctx: &RankCtx,
+    b: &NcclBackend,
+    seed: u64,
+    salt: u64,
+    n: usize,
+) -> anyhow::Result<()> {
+    let (w, r) = (ctx.world_size, ctx.rank);
+    let esz = T::DATA_TYPE.size();
+    let inputs: Vec<Vec<T>> = (0..w)
+        .map(|k| random_vec(seed, k, salt ^ 0x75, n * w))
+        .collect();
+    let sum = sum_in_rank_order(&inputs);
+    let send = DeviceBuffer::from_host(b.context(), &inputs[r])?;
+    let mut recv = DeviceBuffer::<T>::alloc(b.context(), n)?;
+    recv.fill_bytes(POISON_BYTE)?;
+    // SAFETY: send holds n*w elements, recv n, on this device, alive until
+    // synchronize returns.
+    unsafe { b.reduce_scatter(send.device_ptr(), recv.device_ptr(), n * esz, T::DATA_TYPE)? };
+    b.synchronize()?;
+    check(
+        &format!("backend reduce_scatter {} x{n}", T::DATA_TYPE.name()),
+        &recv.to_host_vec()?,
+        &sum[r * n..(r + 1) * n],
+        exact(ctx),
+        w,
+    )
+}
+
+/// A barrier returns only after the last rank, which slept 2 s, arrives.
+pub fn barrier_waits(ctx: &RankCtx) -> anyhow::Result<()> {
+    let b = ctx.backend("barrier", ctx.config())?;
+    b.barrier()?;
+    ctx.barrier("before sleep")?;
+    let t = Instant::now();
+    if ctx.rank == ctx.world_size - 1 {
+        ctx.step("sleeping 2 s before the barrier");
+        std::thread::sleep(Duration::from_secs(2));
+    }
+    ctx.step("barrier");
+    b.barrier()?;
+    let took = t.elapsed();
+    ensure!(
+        took >= Duration::from_millis(1900),
+        "barrier returned after {took:?}, before the late rank arrived"
+    );
+    b.shutdown()?;
+    Ok(())
+}
+
+/// A captured all_reduce_async replays correctly 100 times with fresh data.
+pub fn graph_replay(ctx: &RankCtx) -> anyhow::Result<()> {
+    let seed = ctx.shared_seed("graph")?;
+    let w = ctx.world_size;
+    let b = ctx.backend("graph", ctx.config())?;
+    let compute = Stream::new(b.context())?;
+    let n = 4097;
+    let mut buf = DeviceBuffer::<bf16>::alloc(b.context(), n)?;
+    ctx.step("capture all_reduce_async");
+    compute.begin_capture()?;
+    // SAFETY: buf holds 2n bytes on this device and outlives every replay.
+    let r = unsafe { b.all_reduce_async(buf.device_ptr(), 2 * n, compute.raw() as u64) };
+    let graph = compute.end_capture()?;
+    r?;
+    let exec = graph.instantiate()?;
+    for i in 0..100u64 {
+        ctx.step(format!("graph replay {i}"));
+        let inputs: Vec<Vec<bf16>> = (0..w).map(|k| random_vec(seed, k, i, n)).collect();
+        buf.copy_from_host(&inputs[ctx.rank])?;
+        exec.launch(&compute)?;
+        compute.wait_until_idle(WAIT)?;
+        check(
+            &format!("graph replay {i}"),
+            &buf.to_host_vec()?,
+            &sum_in_rank_order(&inputs),
+            exact(ctx),
+            w,
+        )?;
+    }
+    drop(exec);
+    drop(graph);
+    b.shutdown()?;
+    Ok(())
+}
+
+/// At least 15 bad inputs, each with its typed error; the backend stays
+/// healthy and a correct all_reduce follows.
+pub fn bad_inputs(ctx: &RankCtx) -> anyhow::Result<()> {
+    let seed = ctx.shared_seed("bad")?;
+    let (w, r) = (ctx.world_size, ctx.rank);
+    let b = ctx.backend("bad", ctx.config())?;
+    let c = b.context().clone();
+    let stream = Stream::new(&c)?;
+    let buf = DeviceBuffer::<bf16>::alloc(&c, 64)?;
+    let p = buf.device_ptr();
+    let s = stream.raw() as u64;
+    type Kind = fn(&CommError) -> bool;
+    let invalid: Kind = |e| matches!(e, CommError::InvalidArgument { .. });
+    let unknown: Kind = |e| matches!(e, CommError::UnknownHandle { .. });
+    let in_group: Kind = |e| matches!(e, CommError::InGroup { .. });
+    let input: Kind = |e| e.is_invalid_input();
+    let mut table: Vec<(&str, Kind, metrale_comm::backend::Result<()>)> = Vec::new();
+    // SAFETY: each call below is refused before anything is submitted, or
+    // uses `buf` (128 bytes of this device) within bounds.
+    unsafe {
+        table.push(("all_reduce odd byte count", invalid, b.all_reduce(p, 3)));
+        table.push(("all_reduce null address", invalid, b.all_reduce(0, 64)));
+        table.push((
+            "all_reduce misaligned address",
+            invalid,
+            b.all_reduce(p + 1, 64),
+        ));
+        table.push((
+            "all_reduce_async odd byte count",
+            invalid,
+            b.all_reduce_async(p, 5, s),
+        ));
+        table.push(("all_gather null address", invalid, b.all_gather(0, p, 32)));
+        table.push((
+            "all_gather null receive address",
+            invalid,
+            b.all_gather(p, 0, 32),
+        ));
+        table.push((
+            "reduce_scatter f32 not whole elements",
+            invalid,
+            b.reduce_scatter(p, p + 64, 6, DataType::Float32),
+        ));
+        table.push((
+            "reduce_scatter null",
+            invalid,
+            b.reduce_scatter(0, p, 8, DataType::Bfloat16),
+        ));
+        table.push((
+            "broadcast root out of range",
+            invalid,
+            b.broadcast(p, 64, w),
+        ));
+        table.push(("broadcast null", invalid, b.broadcast(0, 64, 0)));
+        table.push(("send_to self", invalid, b.send_to(p, 64, r, s)));
+        table.push((
+            "send_to rank out of range",
+            invalid,
+            b.send_to(p, 64, w + 2, s),
+        ));
+        table.push(("recv_from self", invalid, b.recv_from(p, 64, r, s)));
+        table.push((
+            "recv_from rank out of range",
+            invalid,
+            b.recv_from(p, 64, w, s),
+        ));
+        table.push((
+            "recv_command_u32 root out of range",
+            invalid,
+            b.recv_command_u32(p, w),
+        ));
+        table.push((
+            "register_buffer null",
+            invalid,
+            b.register_buffer(0, 64).map(|_| ()),
+        ));
+        table.push(("set_add_kernel null", invalid, b.set_add_kernel(0)));
+    }
+    table.push((
+        "deregister_buffer unknown",
+        unknown,
+        b.deregister_buffer(0xdead_beef),
+    ));
+    table.push((
+        "symmetric_free unknown",
+        unknown,
+        b.symmetric_free(0x1234_5000),
+    ));
+    let sym = b.symmetric_alloc(256)?;
+    b.symmetric_free(sym)?;
+    table.push(("symmetric_free twice", unknown, b.symmetric_free(sym)));
+    // SAFETY: buf is 128 bytes of this device, alive past the deregistration.
+    let h = unsafe { b.register_buffer(p, 128)? };
+    b.deregister_buffer(h)?;
+    table.push(("deregister_buffer twice", unknown, b.deregister_buffer(h)));
+    b.group_start()?;
+    table.push(("synchronize inside a group", in_group, b.synchronize()));
+    table.push(("barrier inside a group", in_group, b.barrier()));
+    // SAFETY: refused before anything is submitted (it waits).
+    table.push(("broadcast inside a group", in_group, unsafe {
+        b.broadcast(p, 64, 0)
+    }));
+    b.group_end()?;
+    table.push(("group_end without group_start", input, b.group_end()));
+    let mut failures = Vec::new();
+    for (what, kind, res) in &table {
+        match res {
+            Err(e) if kind(e) => tracing::debug!("{what}: {e}"),
+            Err(e) => failures.push(format!("{what}: wrong error: {e:?}")),
+            Ok(()) => failures.push(format!("{what}: accepted")),
+        }
+    }
+    ensure!(table.len() >= 15, "only {} bad inputs", table.len());
+    ensure!(
+        failures.is_empty(),
+        "bad inputs:\n  {}",
+        failures.join("\n  ")
+    );
+    ensure!(
+        b.is_healthy(),
+        "backend unhealthy after bad inputs: {:?}",
+        b.failure()
+    );
+    ctx.step("all_reduce after bad inputs");
+    let inputs: Vec<Vec<bf16>> = (0..w).map(|k| random_vec(seed, k, 9, 1000)).collect();
+    let buf = DeviceBuffer::from_host(&c, &inputs[r])?;
+    // SAFETY: buf holds 2000 bytes; synchronize waits for the operation.
+    unsafe { b.all_reduce(buf.device_ptr(), 2000)? };
+    b.synchronize()?;
+    check(
+        "all_reduce after bad inputs",
+        &buf.to_host_vec()?,
+        &sum_in_rank_order(&inputs),
+        exact(ctx),
+        w,
+    )?;
+    b.shutdown()?;
+    Ok(())
+}
+
+/// LocalBackend on one rank: identity reductions, copies, unsupported
+/// point-to-point.
+pub fn local_backend(ctx: &RankCtx) -> anyhow::Result<()> {
+    let seed = ctx.shared_seed("local")?;
+    let b = LocalBackend::new(ctx.device)?;
+    let c = b.context().clone();
+    ensure!(
+        b.world_size() == 1 && b.rank() == 0,
+        "LocalBackend is not rank 0 of 1"
+    );
+    let n = 4097;
+    let x: Vec<bf16> = random_vec(seed, 0, 1, n);
+    let buf = DeviceBuffer::from_host(&c, &x)?;
+    ctx.step("LocalBackend all_reduce");
+    // SAFETY: buf holds 2n bytes; synchronize waits for it.
+    unsafe { b.all_reduce(buf.device_ptr(), 2 * n)? };
+    b.synchronize()?;
+    check("local all_reduce", &buf.to_host_vec()?, &x, true, 1)?;
+    let mut out = DeviceBuffer::<bf16>::alloc(&c, n)?;
+    out.fill_bytes(POISON_BYTE)?;
+    // SAFETY: both hold 2n bytes; synchronize waits for it.
+    unsafe { b.all_gather(buf.device_ptr(), out.device_ptr(), 2 * n)? };
+    b.synchronize()?;
+    check("local all_gather", &out.to_host_vec()?, &x, true, 1)?;
+    out.fill_bytes(POISON_BYTE)?;
+    // SAFETY: as above.
+    unsafe {
+        b.reduce_scatter(
+            buf.device_ptr(),
+            out.device_ptr(),
+            2 * n,
+            DataType::Bfloat16,
+        )?
+    };
+    b.synchronize()?;
+    check("local reduce_scatter", &out.to_host_vec()?, &x, true, 1)?;
+    // SAFETY: buf holds 2n bytes.
+    unsafe { b.broadcast(buf.device_ptr(), 2 * n, 0)? };
+    check("local broadcast", &buf.to_host_vec()?, &x, true, 1)?;
+    b.barrier()?;
+    // SAFETY: refused before anything is submitted.
+    match unsafe { b.send_to(buf.device_ptr(), 2, 0, b.stream()) } {
+        Err(CommError::Unsupported { .. } | CommError::InvalidArgument { .. }) => {}
+        other => bail!("LocalBackend send_to: expected Unsupported, got {other:?}"),
+    }
+    ensure!(b.is_healthy(), "LocalBackend unhealthy");
+    b.shutdown()?;
+    ensure!(!b.is_healthy(), "LocalBackend healthy after shutdown");
+    Ok(())
+}
+
+/// The engine's flow: the root broadcasts commands, the others idle in
+/// recv_command_u32; then an all_reduce, a barrier and shutdown.
+pub fn engine_flow(ctx: &RankCtx) -> anyhow::Result<()> {
+    let seed = ctx.shared_seed("flow")?;
+    let (w, r) = (ctx.world_size, ctx.rank);
+    let b: Arc<NcclBackend> = Arc::new(ctx.backend("flow", ctx.config())?);
+    let dynb: Arc<dyn CommBackend> = b.clone();
+    let c = b.context().clone();
+    let mut cmd = DeviceBuffer::<u32>::alloc(&c, 1)?;
+    for (i, value) in [7u32, 0xdead_beef, 1].into_iter().enumerate() {
+        ctx.step(format!("command {i}"));
+        if r == 0 {
+            cmd.copy_from_host(&[value])?;
+            // SAFETY: cmd holds 4 bytes on this device.
+            unsafe { dynb.broadcast(cmd.device_ptr(), 4, 0)? };
+        } else {
+            cmd.fill_bytes(POISON_BYTE)?;
+            // SAFETY: cmd holds 4 bytes on this device.
+            unsafe { dynb.recv_command_u32(cmd.device_ptr(), 0)? };
+            let got = cmd.to_host_vec()?[0];
+            ensure!(
+                got == value,
+                "command {i}: got {got:#x}, expected {value:#x}"
+            );
+        }
+    }
+    ctx.step("flow all_reduce");
+    let n = 1 << 16;
+    let inputs: Vec<Vec<bf16>> = (0..w).map(|k| random_vec(seed, k, 3, n)).collect();
+    let buf = DeviceBuffer::from_host(&c, &inputs[r])?;
+    // SAFETY: buf holds 2n bytes; synchronize waits for the operation.
+    unsafe { dynb.all_reduce(buf.device_ptr(), 2 * n)? };
+    dynb.synchronize()?;
+    check(
+        "flow all_reduce",
+        &buf.to_host_vec()?,
+        &sum_in_rank_order(&inputs),
+        exact(ctx),
+        w,
+    )?;
+    dynb.barrier()?;
+    dynb.shutdown()?;
+    dynb.shutdown()?;
+    // SAFETY: refused: the backend is shut down.
+    match unsafe { dynb.all_reduce(buf.device_ptr(), 2 * n) } {
+        Err(CommError::Shutdown { .. }) => {}
+        other => bail!("all_reduce after shutdown: expected Shutdown, got {other:?}"),
+    }
+    Ok(())
+}

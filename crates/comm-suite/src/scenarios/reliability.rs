@@ -1,0 +1,489 @@
+//! Reliability scenarios: deadlines, poisoning, abort, reconnect cycles,
+//! init without a rank, the flight-recorder analysis, idle command waits,
+//! and SIGKILL of a rank (orchestrated, processes only).
+//!
+//! Invariants: scenarios that inject emulator faults reset them before they
+//! return (also on error); every timing bound is the configured deadline
+//! plus one second.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail, ensure};
+use half::bf16;
+use metrale_comm::{CommBackend, CommError, FailureKind, FastPathPolicy, NcclBackend};
+use nccl_safe::DeviceBuffer;
+
+use crate::data::{check, random_vec, sum_in_rank_order};
+use crate::emu::Fault;
+use crate::{RankCtx, analyze_dumps};
+
+const TIMEOUT: Duration = Duration::from_secs(2);
+const SLACK: Duration = Duration::from_secs(1);
+
+fn short(ctx: &RankCtx) -> metrale_comm::BackendConfig {
+    ctx.config()
+        .with_collective_timeout(TIMEOUT)
+        .with_fast_path(FastPathPolicy::Never)
+}
+
+/// Resets the emulator's faults when dropped.
+struct ResetFaults<'a>(&'a RankCtx);
+
+impl Drop for ResetFaults<'_> {
+    fn drop(&mut self) {
+        if let Some(emu) = self.0.emu() {
+            emu.reset();
+        }
+    }
+}
+
+fn all_reduce_ok(ctx: &RankCtx, b: &NcclBackend, salt: u64) -> anyhow::Result<()> {
+    let w = ctx.world_size;
+    let seed = ctx.shared_seed(&format!("ar-{salt}"))?;
+    let inputs: Vec<Vec<bf16>> = (0..w).map(|k| random_vec(seed, k, salt, 1000)).collect();
+    let buf = DeviceBuffer::from_host(b.context(), &inputs[ctx.rank])?;
+    // SAFETY: buf holds 2000 bytes on this device; synchronize waits for it.
+    unsafe { b.all_reduce(buf.device_ptr(), 2000)? };
+    b.synchronize()?;
+    check(
+        "all_reduce",
+        &buf.to_host_vec()?,
+        &sum_in_rank_order(&inputs),
+        w <= 2 || !ctx.on_gpu(),
+        w,
+    )
+}
+
+fn expect_timeout(
+    what: &str,
+    r: Result<(), CommError>,
+    took: Duration,
+) -> anyhow::Result<std::sync::Arc<metrale_comm::Failure>> {
+    let f = match r {
+        Err(CommError::Failed(f)) | Err(CommError::Poisoned { cause: f, .. }) => f,
+        Err(e) => bail!("{what}: expected a timeout failure, got {e}"),
+        Ok(()) => bail!("{what}: completed"),
+    };
+    ensure!(
+        matches!(f.kind, FailureKind::Timeout { .. }),
+        "{what}: expected a timeout, got {f}"
+    );
+    ensure!(
+        took <= TIMEOUT + SLACK,
+        "{what}: error after {took:?}, timeout {TIMEOUT:?}"
+    );
+    Ok(f)
+}
+
+/// A rank skips a collective: its peer times out naming the op and its
+/// sequence number, a dump exists, and the analysis names the missing rank.
+pub fn skipped_collective(ctx: &RankCtx) -> anyhow::Result<()> {
+    let b = ctx.backend("skip", short(ctx))?;
+    all_reduce_ok(ctx, &b, 1)?;
+    let buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
+    if ctx.rank == 1 {
+        ctx.step("skipping the second all_reduce");
+        ctx.get("skip/verdict")?;
+        // Dump what this rank did, as an operator would on a signal.
+        let header = metrale_comm::diagnostics::DumpHeader {
+            rank: 1,
+            world_size: ctx.world_size,
+            generation: b.generation(),
+            reason: "dumped by the suite".into(),
+            first_failed_seq: None,
+        };
+        b.recorder().dump_json(&ctx.dump_dir(), &header)?;
+        ctx.set("skip/dumped", b"1")?;
+        b.shutdown()?;
+        return Ok(());
+    }
+    if ctx.rank > 1 {
+        ctx.get("skip/verdict")?;
+        return Ok(());
+    }
+    ctx.step("all_reduce that rank 1 skips");
+    let t = Instant::now();
+    // SAFETY: buf holds 2000 bytes on this device; synchronize waits for it.
+    let r = unsafe { b.all_reduce(buf.device_ptr(), 2000) }.and_then(|()| b.synchronize());
+    let took = t.elapsed();
+    let f = expect_timeout("skipped all_reduce", r, took)?;
+    ensure!(
+        f.op == "all_reduce",
+        "the failure names {} instead of all_reduce",
+        f.op
+    );
+    let seq = b.recorder().last_seq();
+    ensure!(
+        f.seq == seq,
+        "the failure names seq {}, the recorder's last is {seq}",
+        f.seq
+    );
+    ensure!(!b.is_healthy(), "backend healthy after a timeout");
+    // The dump is written by the watchdog: give it the slack.
+    let until = Instant::now() + SLACK;
+    let mine = ctx
+        .dump_dir()
+        .join(metrale_comm::diagnostics::dump_file_name(0, b.generation()));
+    while !mine.exists() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    ensure!(
+        mine.exists(),
+        "no flight-recorder dump at {}",
+        mine.display()
+    );
+    ctx.set("skip/verdict", b"1")?;
+    ctx.get("skip/dumped")?;
+    let analysis = analyze_dumps(&ctx.dump_dir());
+    ensure!(
+        analysis.contains("rank 1")
+            && analysis.contains("all_reduce")
+            && analysis.contains(&seq.to_string()),
+        "the analysis does not name rank 1, all_reduce and seq {seq}:\n{analysis}"
+    );
+    b.shutdown().ok();
+    Ok(())
+}
+
+/// An injected hang (emulator) is caught by the collective deadline.
+pub fn injected_hang(ctx: &RankCtx) -> anyhow::Result<()> {
+    let Some(emu) = ctx.emu() else {
+        return Err(RankCtx::skip("needs the emulator's fault injection"));
+    };
+    let _reset = ResetFaults(ctx);
+    let b = ctx.backend("hang", short(ctx))?;
+    all_reduce_ok(ctx, &b, 2)?;
+    if ctx.rank == 1 {
+        emu.inject(1, Fault::Hang, 2)?;
+    }
+    ctx.barrier("hang injected")?;
+    let buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
+    ctx.step("all_reduce with rank 1 hanging");
+    let t = Instant::now();
+    // SAFETY: buf holds 2000 bytes on this device; synchronize waits for it.
+    let r = unsafe { b.all_reduce(buf.device_ptr(), 2000) }.and_then(|()| b.synchronize());
+    expect_timeout("hung all_reduce", r, t.elapsed())?;
+    ctx.barrier("hang seen")?;
+    b.shutdown().ok();
+    Ok(())
+}
+
+/// An injected asynchronous error poisons; the poisoned backend refuses
+/// 1000 calls, each fast and without calling NCCL.
+pub fn async_error_poisons(ctx: &RankCtx) -> anyhow::Result<()> {
+    let Some(emu) = ctx.emu() else {
+        return poisoned_refusals_on_gpu(ctx);
+    };
+    let _reset = ResetFaults(ctx);
+    let b = ctx.backend("async", short(ctx))?;
+    all_reduce_ok(ctx, &b, 3)?;
+    if ctx.rank == 0 {
+        emu.inject(0, Fault::AsyncError, 2)?;
+    }
+    ctx.barrier("async injected")?;
+    ctx.step("all_reduce with an async error on rank 0");
+    let buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
+    // SAFETY: buf holds 2000 bytes on this device; synchronize waits for it.
+    let r = unsafe { b.all_reduce(buf.device_ptr(), 2000) }.and_then(|()| b.synchronize());
+    if ctx.rank != 0 {
+        r?;
+        b.shutdown()?;
+        ctx.barrier("others shut down")?;
+        return Ok(());
+    }
+    let until = Instant::now() + TIMEOUT + SLACK;
+    while b.is_healthy() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    ensure!(
+        !b.is_healthy(),
+        "an asynchronous error did not poison the backend (all_reduce gave {r:?})"
+    );
+    let f = b.failure().context("poisoned without a failure")?;
+    ensure!(
+        matches!(f.kind, FailureKind::AsyncError(_)),
+        "poisoned by {f}, expected an async error"
+    );
+    ctx.barrier("others shut down")?;
+    // Let the watchdog finish its abort and dump (its NCCL calls are not
+    // refusals), then count.
+    let dump = ctx
+        .dump_dir()
+        .join(metrale_comm::diagnostics::dump_file_name(0, b.generation()));
+    let until = Instant::now() + TIMEOUT;
+    while !dump.exists() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    refuse_1000(ctx, &b, Some(emu.nccl_calls()), emu)?;
+    b.shutdown().ok();
+    Ok(())
+}
+
+fn refuse_1000(
+    ctx: &RankCtx,
+    b: &NcclBackend,
+    calls_before: Option<u64>,
+    emu: &crate::EmuControl,
+) -> anyhow::Result<()> {
+    ctx.step("1000 refused calls");
+    let buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
+    let mut times = Vec::with_capacity(1000);
+    for _ in 0..1000 {
+        let t = Instant::now();
+        // SAFETY: refused by the poisoned backend; buf holds 2000 bytes anyway.
+        let r = unsafe { b.all_reduce(buf.device_ptr(), 2000) };
+        times.push(t.elapsed());
+        ensure!(
+            matches!(r, Err(CommError::Poisoned { .. })),
+            "a poisoned backend answered {r:?}"
+        );
+    }
+    if let Some(before) = calls_before {
+        let after = emu.nccl_calls();
+        ensure!(
+            after == before,
+            "{} NCCL calls while refusing",
+            after - before
+        );
+    }
+    times.sort_unstable();
+    let p99 = times[989];
+    ensure!(
+        p99 < Duration::from_micros(10),
+        "refusals: p99 {p99:?} (max {:?}), expected under 10 µs",
+        times[999]
+    );
+    Ok(())
+}
+
+fn poisoned_refusals_on_gpu(ctx: &RankCtx) -> anyhow::Result<()> {
+    // On GPUs: poison rank 0 with a skipped collective, then time refusals.
+    let b = ctx.backend("poison-gpu", short(ctx))?;
+    all_reduce_ok(ctx, &b, 4)?;
+    if ctx.rank != 0 {
+        ctx.get("poison/done")?;
+        b.shutdown().ok();
+        return Ok(());
+    }
+    let buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
+    // SAFETY: buf holds 2000 bytes on this device; synchronize waits for it.
+    let r = unsafe { b.all_reduce(buf.device_ptr(), 2000) }.and_then(|()| b.synchronize());
+    ensure!(r.is_err(), "the all_reduce no peer joined completed");
+    let mut times = Vec::with_capacity(1000);
+    for _ in 0..1000 {
+        let t = Instant::now();
+        // SAFETY: refused by the poisoned backend.
+        let r = unsafe { b.all_reduce(buf.device_ptr(), 2000) };
+        times.push(t.elapsed());
+        ensure!(
+            matches!(r, Err(CommError::Poisoned { .. })),
+            "a poisoned backend answered {r:?}"
+        );
+    }
+    times.sort_unstable();
+    ensure!(
+        times[989] < Duration::from_micros(10),
+        "refusals: p99 {:?}",
+        times[989]
+    );
+    ctx.set("poison/done", b"1")?;
+    b.shutdown().ok();
+    Ok(())
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+/// 20 cycles of injected failure, poison, reconnect on all ranks and a
+/// correct all-reduce, with device memory and open files flat.
+pub fn reconnect_cycles(ctx: &RankCtx) -> anyhow::Result<()> {
+    let Some(emu) = ctx.emu() else {
+        return Err(RankCtx::skip("needs the emulator's fault injection"));
+    };
+    let _reset = ResetFaults(ctx);
+    let b = ctx.backend("reconnect", short(ctx))?;
+    let mut baseline = None;
+    for cycle in 0..20u64 {
+        ctx.step(format!("reconnect cycle {cycle}"));
+        // Every generation: one correct all_reduce, then the faulty one.
+        all_reduce_ok(ctx, &b, 100 + cycle)?;
+        if ctx.rank == 0 {
+            emu.inject(0, Fault::AsyncError, 2)?;
+        }
+        ctx.barrier(&format!("inject {cycle}"))?;
+        let buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
+        // SAFETY: buf holds 2000 bytes on this device; synchronize waits for it.
+        let _ = unsafe { b.all_reduce(buf.device_ptr(), 2000) }.and_then(|()| b.synchronize());
+        drop(buf);
+        if ctx.rank == 0 {
+            let until = Instant::now() + TIMEOUT + SLACK;
+            while b.is_healthy() && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            ensure!(
+                !b.is_healthy(),
+                "cycle {cycle}: the injected error did not poison"
+            );
+        }
+        ctx.barrier(&format!("poisoned {cycle}"))?;
+        b.attempt_reconnect()
+            .with_context(|| format!("cycle {cycle}: attempt_reconnect"))?;
+        ensure!(b.is_healthy(), "cycle {cycle}: unhealthy after reconnect");
+        ctx.barrier(&format!("reconnected {cycle}"))?;
+        if cycle == 0 || cycle == 19 {
+            let now = (b.context().mem_info()?.0, open_fds());
+            match baseline {
+                None => baseline = Some(now),
+                Some((mem, fds)) => {
+                    ensure!(
+                        now.0 == mem,
+                        "device memory free went from {mem} to {} over 19 cycles",
+                        now.0
+                    );
+                    ensure!(
+                        now.1 <= fds + 2,
+                        "open files went from {fds} to {} over 19 cycles",
+                        now.1
+                    );
+                }
+            }
+            ctx.barrier(&format!("measured {cycle}"))?;
+        }
+    }
+    all_reduce_ok(ctx, &b, 999)?;
+    b.shutdown()?;
+    Ok(())
+}
+
+/// A rank that never joins init: the others fail NcclBackend::new by the
+/// init deadline.
+pub fn init_without_a_rank(ctx: &RankCtx) -> anyhow::Result<()> {
+    let init = Duration::from_secs(2);
+    let cfg = ctx.config().with_init_timeout(init);
+    if ctx.rank == ctx.world_size - 1 {
+        ctx.step("not joining");
+        ctx.get("nojoin/done")?;
+        return Ok(());
+    }
+    ctx.step("NcclBackend::new without the last rank");
+    let t = Instant::now();
+    let r = NcclBackend::new(cfg, ctx.rendezvous("nojoin")?);
+    let took = t.elapsed();
+    ensure!(
+        r.is_err(),
+        "NcclBackend::new succeeded without the last rank"
+    );
+    ensure!(
+        took <= init + SLACK,
+        "NcclBackend::new failed after {took:?}, init deadline {init:?}"
+    );
+    if ctx.rank == 0 {
+        ctx.set("nojoin/done", b"1")?;
+    }
+    Ok(())
+}
+
+/// recv_command_u32 returns promptly when the backend shuts down while it
+/// idles, and (emulator) when the backend is poisoned while it idles.
+pub fn idle_command_wait(ctx: &RankCtx) -> anyhow::Result<()> {
+    let mut cfg = ctx.config();
+    cfg.shutdown_timeout = TIMEOUT;
+    let b = std::sync::Arc::new(ctx.backend("idle", cfg.clone())?);
+    if ctx.rank == 1 {
+        let cmd = DeviceBuffer::<u32>::alloc(b.context(), 1)?;
+        let ptr = cmd.device_ptr();
+        let b2 = b.clone();
+        ctx.step("recv_command_u32, shut down after 500 ms");
+        let stopper = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(500));
+            let t = Instant::now();
+            let r = b2.shutdown();
+            (t, r)
+        });
+        // SAFETY: cmd holds 4 bytes on this device and outlives the call.
+        let r = unsafe { b.recv_command_u32(ptr, 0) };
+        let returned = Instant::now();
+        let (started, _shutdown) = stopper
+            .join()
+            .map_err(|_| anyhow::anyhow!("stopper panicked"))?;
+        ensure!(r.is_err(), "recv_command_u32 returned Ok without a command");
+        let took = returned.saturating_duration_since(started);
+        ensure!(
+            took <= TIMEOUT + SLACK,
+            "recv_command_u32 returned {took:?} after shutdown started"
+        );
+    }
+    ctx.barrier("idle shutdown done")?;
+    if ctx.rank != 1 {
+        b.shutdown().ok();
+    }
+    let Some(emu) = ctx.emu() else { return Ok(()) };
+    let _reset = ResetFaults(ctx);
+    let b = ctx.backend("idle-poison", cfg)?;
+    if ctx.rank == 1 {
+        emu.inject(1, Fault::AsyncError, 1)?;
+    }
+    ctx.barrier("idle poison injected")?;
+    b.barrier()?;
+    if ctx.rank == 1 {
+        let cmd = DeviceBuffer::<u32>::alloc(b.context(), 1)?;
+        ctx.step("recv_command_u32 while an async error poisons");
+        let t = Instant::now();
+        // SAFETY: cmd holds 4 bytes on this device and outlives the call.
+        let r = unsafe { b.recv_command_u32(cmd.device_ptr(), 0) };
+        let took = t.elapsed();
+        ensure!(r.is_err(), "recv_command_u32 returned Ok without a command");
+        ensure!(
+            took <= TIMEOUT + SLACK,
+            "recv_command_u32 returned {took:?} after the poison"
+        );
+    }
+    ctx.barrier("idle poison done")?;
+    b.shutdown().ok();
+    Ok(())
+}
+
+/// The body of the SIGKILL scenario's ranks: all_reduce in a loop; the
+/// orchestrator kills rank 1; rank 0 must fail within timeout + 1 s of the
+/// last success and return cleanly.
+pub fn sigkill_rank(ctx: &RankCtx) -> anyhow::Result<()> {
+    if ctx.mode == crate::Mode::Threads {
+        return Err(RankCtx::skip(
+            "needs one process per rank (processes or socket mode)",
+        ));
+    }
+    let b = ctx.backend("sigkill", short(ctx))?;
+    let buf = DeviceBuffer::<bf16>::alloc(b.context(), 1 << 20)?;
+    let start = Instant::now();
+    let mut last_ok = Instant::now();
+    let mut n = 0u64;
+    while start.elapsed() < Duration::from_secs(60) {
+        ctx.step(format!("all_reduce loop {n}"));
+        // SAFETY: buf holds 2 MiB on this device; synchronize waits for it.
+        let r = unsafe { b.all_reduce(buf.device_ptr(), 2 << 20) }.and_then(|()| b.synchronize());
+        match r {
+            Ok(()) => {
+                last_ok = Instant::now();
+                n += 1;
+                if n == 10 {
+                    ctx.mark(&format!("ready-rank{}", ctx.rank))?;
+                }
+            }
+            Err(e) => {
+                let took = last_ok.elapsed();
+                ensure!(
+                    took <= TIMEOUT + SLACK,
+                    "the survivor's error came {took:?} after the last success: {e}"
+                );
+                println!("survivor error after {took:?}: {e}");
+                b.shutdown().ok();
+                return Ok(());
+            }
+        }
+    }
+    bail!("no error within 60 s although a peer was killed")
+}
