@@ -128,6 +128,16 @@ fn unsafe_site(line: &str) -> Option<&'static str> {
 /// and attributes) contains `SAFETY:`.
 fn has_safety_comment(lines: &[&str], i: usize) -> bool {
     let mut j = i;
+    // rustfmt may break `let x = unsafe { .. }` after the `=`: the comment
+    // then sits above the `let` line.
+    if lines[i].trim_start().starts_with("unsafe") {
+        while j > 0
+            && lines[j - 1].trim_end().ends_with('=')
+            && !lines[j - 1].trim().starts_with("//")
+        {
+            j -= 1;
+        }
+    }
     // Skip blank lines and attributes between the comment and the code.
     while j > 0 {
         let t = lines[j - 1].trim();
@@ -316,6 +326,14 @@ fn unsafe_blocks_need_a_safety_comment_above() {
     assert_eq!(lines_of(&p), [3, 5, 8, 10], "{p:?}");
     assert!(p[0].1.contains("`unsafe {`") && p[0].1.contains("SAFETY:"));
     assert!(p[3].1.contains("`unsafe impl`"));
+}
+
+#[test]
+fn a_comment_above_a_let_split_by_rustfmt_counts() {
+    let ok = "//! Doc.\nfn f() {\n    // SAFETY: the call has no preconditions.\n    let rc =\n        unsafe { g() };\n}\n";
+    assert!(check_text(ok).is_empty(), "{:?}", check_text(ok));
+    let bad = "//! Doc.\nfn f() {\n    let rc =\n        unsafe { g() };\n}\n";
+    assert_eq!(lines_of(&check_text(bad)), vec![4]);
 }
 
 #[test]
