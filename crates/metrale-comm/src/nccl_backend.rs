@@ -398,7 +398,7 @@ impl Inner {
             .rendezvous
             .exchange_id(generation, &mut make, timeout)?;
         let id = UniqueId::from_bytes(&bytes).map_err(setup("unique id"))?;
-        let comm =
+        let mut comm =
             Comm::init_rank_with_deadline(&self.ctx, &id, self.world_size, self.rank, timeout)
                 .map_err(|e| CommError::Setup {
                     stage: "communicator init",
@@ -407,6 +407,9 @@ impl Inner {
                         self.rank, self.world_size
                     ),
                 })?;
+        // A call waits for NCCL's background enqueue at most as long as the
+        // operation itself may take.
+        comm.set_enqueue_deadline(Some(self.config.collective_timeout));
         *self.abort.lock() = Some(comm.abort_handle());
         slot.comm = Some(comm);
         self.generation.store(generation, Ordering::Release);
@@ -602,6 +605,11 @@ impl Inner {
             if is_refusal(&e) {
                 self.recorder.set_state(seq, OpState::Failed);
                 return Err(CommError::Refused { op, source: e });
+            }
+            if self.health.shutdown.load(Ordering::Acquire) {
+                // Shutdown aborted the communicator under this call.
+                self.recorder.set_state(seq, OpState::Failed);
+                return Err(CommError::Shutdown { op });
             }
             drop(slot);
             return Err(CommError::Failed(self.poison(
@@ -827,6 +835,9 @@ impl Inner {
                     comm.recv_raw(scratch, len, DataType::Bfloat16, peer, cu_stream)
                 }
             })?;
+            // On a non-blocking communicator the group may still be being
+            // enqueued: the add must come after the receive on the stream.
+            comm.wait_ready()?;
             // SAFETY: the kernel has the documented add signature (bundled, or
             // the engine's under set_add_kernel's contract) and both ranges
             // hold `len` bf16 elements.
@@ -1295,6 +1306,24 @@ impl CommBackend for NcclBackend {
             }
             return Err(e);
         }
+        // The group's work may still be being enqueued (non-blocking
+        // communicator): events recorded now would complete before it.
+        let ready = match slot.comm.as_ref() {
+            Some(comm) => comm.wait_ready(),
+            None => Err(nccl_safe::Error::Aborted { call: OP }),
+        };
+        if let Err(e) = ready {
+            drop(slot);
+            let seq = watch
+                .first()
+                .map(|w| w.0)
+                .unwrap_or_else(|| inner.recorder.last_seq());
+            return Err(CommError::Failed(inner.poison(
+                OP,
+                seq,
+                FailureKind::CallFailed(e),
+            )));
+        }
         let comm_stream = slot.comm_stream.raw();
         for compute in joins {
             // SAFETY: the compute streams came from all_reduce_async calls,
@@ -1427,7 +1456,19 @@ impl CommBackend for NcclBackend {
         let deadline = Instant::now() + inner.config.shutdown_timeout;
         let mut result = Ok(());
         {
-            let mut slot = inner.slot.lock();
+            // A thread idling in recv_command_u32 holds the slot: abort to
+            // release it if it is not free within the shutdown timeout.
+            let mut slot = match inner.slot.try_lock_for(inner.config.shutdown_timeout) {
+                Some(slot) => slot,
+                None => {
+                    if let Some(handle) = inner.abort.lock().as_ref()
+                        && let Err(e) = handle.abort()
+                    {
+                        tracing::warn!(rank = inner.rank, "shutdown: abort failed: {e}");
+                    }
+                    inner.slot.lock()
+                }
+            };
             let healthy = !inner.health.poisoned.load(Ordering::Acquire);
             let mut idle = healthy;
             if healthy {
@@ -1515,10 +1556,18 @@ impl NcclBackend {
             |slot, s| {
                 let comm = slot
                     .comm
-                    .as_ref()
+                    .as_mut()
                     .ok_or(nccl_safe::Error::Aborted { call: op })?;
+                // An idle receive waits for the root with no deadline, also
+                // while NCCL connects to it (the first operation with a peer
+                // stays in progress until the peer joins); shutdown or a
+                // failure aborts the communicator, which ends the wait.
+                let saved = comm.enqueue_deadline();
+                if idle {
+                    comm.set_enqueue_deadline(None);
+                }
                 // SAFETY: `ptr` valid for `bytes` (contract); our stream.
-                unsafe {
+                let r = unsafe {
                     comm.broadcast_raw(
                         ptr,
                         ptr,
@@ -1527,7 +1576,9 @@ impl NcclBackend {
                         root,
                         s as cuda_sys::CUstream,
                     )
-                }
+                };
+                comm.set_enqueue_deadline(saved);
+                r
             },
         )?;
         match event {

@@ -273,6 +273,9 @@ pub struct Comm {
     count: usize,
     device: usize,
     nonblocking: bool,
+    /// How long a call waits for NCCL to finish enqueueing on a non-blocking
+    /// communicator; `None`: until done or aborted.
+    enqueue_deadline: Option<Duration>,
 }
 
 // SAFETY: a communicator may be used from any thread, one at a time; the raw
@@ -355,6 +358,7 @@ impl Comm {
             count,
             device,
             nonblocking,
+            enqueue_deadline: Some(ENQUEUE_DEADLINE),
         }
     }
 
@@ -606,11 +610,47 @@ impl Comm {
         self.state.lock().status == Status::Aborted
     }
 
+    /// Sets how long a call on a non-blocking communicator waits for NCCL to
+    /// finish enqueueing (its own work, or earlier work); `None` waits until
+    /// the enqueue is done or the communicator is aborted (through an
+    /// [`AbortHandle`] from another thread). The default is
+    /// [`ENQUEUE_DEADLINE`].
+    ///
+    /// NCCL connects peers lazily, at their first operation, so on a
+    /// non-blocking communicator the first operation with a peer stays
+    /// in progress until that peer issues its side.
+    pub fn set_enqueue_deadline(&mut self, deadline: Option<Duration>) {
+        self.enqueue_deadline = deadline;
+    }
+
+    /// The current enqueue deadline (see [`Comm::set_enqueue_deadline`]).
+    pub fn enqueue_deadline(&self) -> Option<Duration> {
+        self.enqueue_deadline
+    }
+
+    fn enqueue_timeout(&self) -> Duration {
+        self.enqueue_deadline.unwrap_or(Duration::MAX)
+    }
+
+    /// Waits until NCCL has enqueued every call made so far on this
+    /// communicator onto its streams, and reports a pending asynchronous
+    /// error. On a non-blocking communicator, `ncclGroupEnd` (from [`Group`]
+    /// or [`crate::group`]) may return before the group's work reaches the
+    /// stream: call this before relying on stream order (a kernel launched
+    /// after a grouped send/recv, an event recorded to detect completion).
+    /// A no-op on a blocking communicator, except that it refuses after an
+    /// abort.
+    ///
+    /// [`Group`]: crate::Group
+    pub fn wait_ready(&self) -> Result<()> {
+        self.ready("wait_ready")
+    }
+
     /// Refuses the call after an abort; on a non-blocking communicator,
     /// first waits for earlier pending work (and reports its error).
     pub(crate) fn ready(&self, call: &'static str) -> Result<()> {
         if self.nonblocking {
-            wait_shared(&self.state, "nccl enqueue", call, ENQUEUE_DEADLINE)
+            wait_shared(&self.state, "nccl enqueue", call, self.enqueue_timeout())
         } else if self.state.lock().status != Status::Live {
             Err(Error::Aborted { call })
         } else {
@@ -622,7 +662,7 @@ impl Comm {
     /// communicator waits until the work is enqueued.
     pub(crate) fn settle(&self, rc: ncclResult_t, call: &'static str) -> Result<()> {
         if rc == ncclResult_t::ncclInProgress && self.nonblocking {
-            wait_shared(&self.state, "nccl enqueue", call, ENQUEUE_DEADLINE)
+            wait_shared(&self.state, "nccl enqueue", call, self.enqueue_timeout())
         } else {
             nccl_check(rc, call, self.raw)
         }

@@ -7,7 +7,10 @@
 //! - A group belongs to the thread that started it (NCCL keeps group state
 //!   per thread), so [`Group`] is neither `Send` nor `Sync`.
 //! - `ncclInProgress` from `ncclGroupEnd` (non-blocking communicators) counts
-//!   as success: each communicator's next call waits for the enqueue.
+//!   as success: the group's work is still being enqueued in the background.
+//!   Each communicator's next NCCL call waits for it, but stream work that is
+//!   not NCCL's (a kernel launch, an event record) does not: call
+//!   [`crate::Comm::wait_ready`] on each communicator of the group first.
 
 use std::marker::PhantomData;
 
@@ -63,7 +66,9 @@ impl Drop for Group {
 }
 
 /// Runs `f` inside a group; the group ends even when `f` fails, and `f`'s
-/// error wins over the end's.
+/// error wins over the end's. On non-blocking communicators, call
+/// [`crate::Comm::wait_ready`] before ordering other stream work after the
+/// group.
 pub fn group<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
     let g = Group::start()?;
     let r = f();

@@ -27,7 +27,8 @@ pub(crate) fn poll_until(
     mut done: impl FnMut() -> Result<bool>,
 ) -> Result<()> {
     let start = Instant::now();
-    let mut nap = Duration::from_micros(20);
+    let mut nap = Duration::from_micros(10);
+    let mut spins = 0u32;
     loop {
         if done()? {
             return Ok(());
@@ -38,8 +39,16 @@ pub(crate) fn poll_until(
                 after: timeout,
             });
         }
-        std::thread::sleep(nap);
-        nap = (nap * 2).min(Duration::from_millis(1));
+        // Spin for the first ~100 µs: enqueues and small collectives finish
+        // in microseconds, and a sleep costs tens of them. Then back off to
+        // 1 ms naps.
+        if spins < 256 && start.elapsed() < Duration::from_micros(100) {
+            spins += 1;
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(1));
+        }
     }
 }
 
