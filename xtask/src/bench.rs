@@ -1,6 +1,193 @@
 //! `cargo xtask bench`: the GPU benchmarks as a markdown table.
+//!
+//! It first asks the CUDA driver (through `cuda-sys`) how many GPUs there
+//! are; without a driver or GPU it prints one line and exits 2, like
+//! `gpu-test`. Otherwise it builds `metrale-benches`' `gpu-bench` binary in
+//! release mode and runs it with the remaining options (`--out FILE`,
+//! `--crossover`, `--min`, `--max`, `--factor`, `--trials`, `--ops`,
+//! `--modes`),
+//! returning its exit code; with one GPU the binary itself says why it
+//! measures nothing and exits 0. `--bundle DIR` builds and writes the binary
+//! and a `run.sh` to DIR, for a GPU box without Rust; it needs no GPU.
+//!
+//! Invariant: the NCCL environment is passed through as given; nothing here
+//! sets or alters `NCCL_*` variables.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context as _, bail};
+
+const HELP: &str = "\
+usage: cargo xtask bench [--out FILE] [--crossover] [--min BYTES] [--max BYTES]
+                         [--factor N] [--trials N] [--ops a,b] [--modes eager,graph]
+                         [--bundle DIR]
+
+Builds benches/ (gpu-bench, --release) and runs it on this box's GPUs: every
+CommBackend collective next to raw NCCL, 8 B to 1 GiB, eager and under CUDA
+graph replay, and the 2-rank all-reduce paths. --crossover: only the paths,
+sizes by factor 2, and the recommended METRALE_COMM_FAST_PATH range.
+--bundle DIR writes the binary and a run.sh to DIR instead (no GPU needed).
+See docs/benchmarks.md.
+";
 
 /// Runs the subcommand.
-pub fn run(_args: &[String]) -> anyhow::Result<i32> {
-    anyhow::bail!("not yet implemented")
+pub fn run(args: &[String]) -> anyhow::Result<i32> {
+    let mut bundle: Option<PathBuf> = None;
+    let mut pass: Vec<String> = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--help" | "-h" => {
+                print!("{HELP}");
+                return Ok(0);
+            }
+            "--bundle" => {
+                let dir = it.next().context("--bundle needs a directory")?;
+                bundle = Some(PathBuf::from(dir));
+            }
+            "--crossover" => pass.push(a.clone()),
+            "--out" | "--min" | "--max" | "--factor" | "--trials" | "--ops" | "--modes" => {
+                let v = it.next().with_context(|| format!("{a} needs a value"))?;
+                pass.push(a.clone());
+                pass.push(if a == "--out" {
+                    absolute(v)?
+                } else {
+                    v.clone()
+                });
+            }
+            other => {
+                eprintln!("bench: unknown option `{other}`");
+                eprint!("{HELP}");
+                return Ok(2);
+            }
+        }
+    }
+    if let Some(dir) = bundle {
+        let exe = build()?;
+        write_bundle(&exe, &dir)?;
+        println!(
+            "bench: bundle written to {} (copy it to a GPU box and run ./run.sh)",
+            dir.display()
+        );
+        return Ok(0);
+    }
+    match detect_gpus() {
+        Ok(n) => println!("bench: {n} GPU(s) found"),
+        Err(line) => {
+            println!(
+                "bench: {line}; the GPU benchmarks need 2 GPUs (CPU benchmarks: cargo bench -p metrale-benches --bench cpu)"
+            );
+            return Ok(2);
+        }
+    }
+    let exe = build()?;
+    let status = Command::new(&exe)
+        .args(&pass)
+        .status()
+        .with_context(|| format!("running {}", exe.display()))?;
+    Ok(status.code().unwrap_or(1))
+}
+
+/// `--out` relative to the caller's directory, not the workspace root.
+fn absolute(p: &str) -> anyhow::Result<String> {
+    let p = Path::new(p);
+    let abs = if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        std::env::current_dir()?.join(p)
+    };
+    Ok(abs.to_string_lossy().into_owned())
+}
+
+/// The number of GPUs, or the reason there are none, as one line.
+fn detect_gpus() -> Result<usize, String> {
+    let lib = cuda_sys::cuda().map_err(|e| format!("no CUDA driver found ({e})"))?;
+    // SAFETY: cuInit takes a flags integer and touches no caller memory.
+    let rc = unsafe { cuda_sys::call!(lib, cuInit(0)) }.map_err(|e| e.to_string())?;
+    if rc != cuda_sys::CUresult::CUDA_SUCCESS {
+        return Err(format!(
+            "the CUDA driver at {} failed to initialise (CUresult {})",
+            lib.path(),
+            rc.0
+        ));
+    }
+    let mut count: std::os::raw::c_int = 0;
+    // SAFETY: `count` is a live, writable c_int for the duration of the call.
+    let rc =
+        unsafe { cuda_sys::call!(lib, cuDeviceGetCount(&mut count)) }.map_err(|e| e.to_string())?;
+    if rc != cuda_sys::CUresult::CUDA_SUCCESS {
+        return Err(format!("cuDeviceGetCount failed (CUresult {})", rc.0));
+    }
+    if count <= 0 {
+        return Err(format!("the CUDA driver at {} sees no GPU", lib.path()));
+    }
+    Ok(count as usize)
+}
+
+/// Builds `gpu-bench` in release mode and returns the binary's path.
+fn build() -> anyhow::Result<PathBuf> {
+    let root = crate::workspace_root();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = Command::new(cargo)
+        .current_dir(&root)
+        .args([
+            "build",
+            "--release",
+            "-p",
+            "metrale-benches",
+            "--bin",
+            "gpu-bench",
+        ])
+        .status()
+        .context("running cargo build")?;
+    if !status.success() {
+        bail!("cargo build --release -p metrale-benches --bin gpu-bench failed");
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target"));
+    let exe = target.join("release").join("gpu-bench");
+    if !exe.is_file() {
+        bail!("{} was not built", exe.display());
+    }
+    Ok(exe)
+}
+
+const RUN_SH: &str = r#"#!/usr/bin/env bash
+# Runs the metrale-comm GPU benchmarks on this box's first 2 GPUs.
+# Options: --out FILE --crossover --min BYTES --max BYTES --factor N --trials N --ops a,b
+# NCCL_* variables are passed through exactly as given.
+set -euo pipefail
+cd "$(dirname "$0")"
+exec ./gpu-bench "$@"
+"#;
+
+const README: &str = "\
+metrale-comm GPU benchmark bundle
+=================================
+
+Run on a box with 2 NVIDIA GPUs, a driver and libnccl.so.2 (NCCL >= 2.19):
+
+    ./run.sh --out results.md           # every collective, 8 B to 1 GiB, eager and graph
+    ./run.sh --crossover --out fast.md  # the all-reduce paths by factor 2, and the
+                                        # recommended METRALE_COMM_FAST_PATH range
+
+It prints markdown tables: our CommBackend next to raw NCCL in the same run,
+time per operation and nccl-tests' algbw/busbw. With fewer than 2 GPUs it
+says so and exits 0. No Rust toolchain is needed.
+";
+
+/// Writes the bundle directory.
+fn write_bundle(exe: &Path, dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let bin = dir.join("gpu-bench");
+    std::fs::copy(exe, &bin).with_context(|| format!("copying to {}", bin.display()))?;
+    let sh = dir.join("run.sh");
+    std::fs::write(&sh, RUN_SH)?;
+    std::fs::set_permissions(&sh, std::fs::Permissions::from_mode(0o755))?;
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755))?;
+    std::fs::write(dir.join("README.txt"), README)?;
+    Ok(())
 }

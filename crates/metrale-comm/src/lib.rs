@@ -23,6 +23,7 @@ pub mod backend;
 pub mod config;
 pub mod diagnostics;
 pub mod error;
+pub mod health;
 pub mod kernels;
 pub mod local_backend;
 pub mod nccl_backend;

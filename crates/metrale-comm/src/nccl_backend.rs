@@ -19,7 +19,7 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -35,6 +35,7 @@ use crate::backend::{CommBackend, Result};
 use crate::config::BackendConfig;
 use crate::diagnostics::{DumpHeader, FlightRecorder, OpState};
 use crate::error::{CommError, Failure, FailureKind};
+use crate::health::Health;
 use crate::kernels;
 use crate::rendezvous::{EnvConfig, Rendezvous, TcpRendezvous};
 
@@ -102,13 +103,6 @@ struct Watched {
     generation: u64,
     event: Arc<Event>,
     deadline: Option<Instant>,
-}
-
-struct Health {
-    poisoned: AtomicBool,
-    failure: Mutex<Option<Arc<Failure>>>,
-    shutdown: AtomicBool,
-    reconnecting: AtomicBool,
 }
 
 struct Inner {
@@ -254,12 +248,7 @@ impl NcclBackend {
             rendezvous,
             slot: Mutex::new(slot),
             abort: Mutex::new(None),
-            health: Health {
-                poisoned: AtomicBool::new(false),
-                failure: Mutex::new(None),
-                shutdown: AtomicBool::new(false),
-                reconnecting: AtomicBool::new(false),
-            },
+            health: Health::new(),
             watched: Mutex::new(Vec::new()),
             event_pool: Mutex::new(Vec::new()),
             generation: AtomicU64::new(0),
@@ -328,7 +317,7 @@ impl NcclBackend {
 
     /// The failure that poisoned the backend, if any.
     pub fn failure(&self) -> Option<Arc<Failure>> {
-        self.inner.health.failure.lock().clone()
+        self.inner.health.failure()
     }
 
     /// The configuration the backend runs with.
@@ -419,28 +408,7 @@ impl Inner {
     /// Refuses work when shut down, reconnecting or poisoned.
     #[inline]
     fn check_usable(&self, op: &'static str) -> Result<()> {
-        if self.health.poisoned.load(Ordering::Acquire) {
-            return Err(self.poisoned_error(op));
-        }
-        if self.health.shutdown.load(Ordering::Acquire) {
-            return Err(CommError::Shutdown { op });
-        }
-        if self.health.reconnecting.load(Ordering::Acquire) {
-            return Err(CommError::Reconnecting { op });
-        }
-        Ok(())
-    }
-
-    fn poisoned_error(&self, op: &'static str) -> CommError {
-        match self.health.failure.lock().clone() {
-            Some(cause) => CommError::Poisoned {
-                op,
-                rank: self.rank,
-                world_size: self.world_size,
-                cause,
-            },
-            None => CommError::Reconnecting { op },
-        }
+        self.health.check(op, self.rank, self.world_size)
     }
 
     fn in_group(&self) -> bool {
@@ -473,23 +441,17 @@ impl Inner {
             FailureKind::Timeout { .. } => OpState::TimedOut,
             _ => OpState::Failed,
         };
-        let failure = {
-            let mut slot = self.health.failure.lock();
-            if let Some(first) = &*slot {
-                return first.clone();
-            }
-            let f = Arc::new(Failure {
-                op,
-                seq,
-                rank: self.rank,
-                world_size: self.world_size,
-                generation: self.generation.load(Ordering::Acquire),
-                kind,
-            });
-            *slot = Some(f.clone());
-            self.health.poisoned.store(true, Ordering::Release);
-            f
-        };
+        let (failure, first) = self.health.poison(|| Failure {
+            op,
+            seq,
+            rank: self.rank,
+            world_size: self.world_size,
+            generation: self.generation.load(Ordering::Acquire),
+            kind,
+        });
+        if !first {
+            return failure;
+        }
         self.recorder.set_state(seq, state);
         if let Some(handle) = self.abort.lock().as_ref()
             && let Err(e) = handle.abort()
@@ -606,7 +568,7 @@ impl Inner {
                 self.recorder.set_state(seq, OpState::Failed);
                 return Err(CommError::Refused { op, source: e });
             }
-            if self.health.shutdown.load(Ordering::Acquire) {
+            if self.health.is_shutdown() {
                 // Shutdown aborted the communicator under this call.
                 self.recorder.set_state(seq, OpState::Failed);
                 return Err(CommError::Shutdown { op });
@@ -618,7 +580,10 @@ impl Inner {
                 FailureKind::CallFailed(e),
             )));
         }
-        if let Some(comm) = slot.comm.as_ref()
+        // Under capture nothing is queried: the capturing thread may not
+        // make calls that touch other streams' state.
+        if !capturing
+            && let Some(comm) = slot.comm.as_ref()
             && let Err(e) = comm.async_error()
         {
             drop(slot);
@@ -659,7 +624,7 @@ impl Inner {
         let deadline = Instant::now() + self.config.collective_timeout;
         let mut backoff = Backoff(0);
         loop {
-            if self.health.poisoned.load(Ordering::Acquire) {
+            if self.health.is_poisoned() {
                 return Err(self.own_or_poisoned(op, seq));
             }
             match event.query() {
@@ -673,7 +638,7 @@ impl Inner {
                     )));
                 }
             }
-            if self.health.shutdown.load(Ordering::Acquire) {
+            if self.health.is_shutdown() {
                 return Err(CommError::Shutdown { op });
             }
             if !idle && Instant::now() >= deadline {
@@ -693,7 +658,7 @@ impl Inner {
 
     /// `Failed` when `seq` itself is the first failure, else `Poisoned`.
     fn own_or_poisoned(&self, op: &'static str, seq: u64) -> CommError {
-        match self.health.failure.lock().clone() {
+        match self.health.failure() {
             Some(f) if f.seq == seq => CommError::Failed(f),
             Some(cause) => CommError::Poisoned {
                 op,
@@ -760,7 +725,7 @@ impl Inner {
                 }
             }
         }
-        if self.health.poisoned.load(Ordering::Acquire) {
+        if self.health.is_poisoned() {
             return;
         }
         if let Some((op, seq)) = expired {
@@ -936,7 +901,7 @@ enum StreamSel {
 fn watchdog_loop(inner: Weak<Inner>) {
     loop {
         let Some(inner) = inner.upgrade() else { return };
-        if inner.health.shutdown.load(Ordering::Acquire) {
+        if inner.health.is_shutdown() {
             return;
         }
         let interval = inner.config.watchdog_interval;
@@ -1078,7 +1043,7 @@ impl CommBackend for NcclBackend {
         // Freeing memory does not touch the communicator: allowed when
         // poisoned, so an engine can always release what it holds.
         const OP: &str = "symmetric_free";
-        if self.inner.health.shutdown.load(Ordering::Acquire) {
+        if self.inner.health.is_shutdown() {
             return Err(CommError::Shutdown { op: OP });
         }
         let buf = self.inner.slot.lock().symmetric.remove(&ptr);
@@ -1381,28 +1346,25 @@ impl CommBackend for NcclBackend {
     }
 
     fn is_healthy(&self) -> bool {
-        let h = &self.inner.health;
-        !(h.poisoned.load(Ordering::Acquire)
-            || h.shutdown.load(Ordering::Acquire)
-            || h.reconnecting.load(Ordering::Acquire))
+        self.inner.health.is_healthy()
     }
 
     fn attempt_reconnect(&self) -> Result<()> {
         const OP: &str = "attempt_reconnect";
         let inner = &*self.inner;
-        if inner.health.shutdown.load(Ordering::Acquire) {
+        if inner.health.is_shutdown() {
             return Err(CommError::Shutdown { op: OP });
         }
-        if inner.health.reconnecting.swap(true, Ordering::AcqRel) {
+        if !inner.health.begin_reconnect() {
             return Err(CommError::Reconnecting { op: OP });
         }
-        struct Clear<'a>(&'a AtomicBool);
-        impl Drop for Clear<'_> {
+        struct EndReconnect<'a>(&'a Health);
+        impl Drop for EndReconnect<'_> {
             fn drop(&mut self) {
-                self.0.store(false, Ordering::Release);
+                self.0.end_reconnect();
             }
         }
-        let _clear = Clear(&inner.health.reconnecting);
+        let _end = EndReconnect(&inner.health);
         // Abort first, without the slot lock: a thread inside NCCL holding the
         // lock is released by the abort.
         if let Some(handle) = inner.abort.lock().take()
@@ -1434,12 +1396,11 @@ impl CommBackend for NcclBackend {
             drop(slot);
             // No communicator is left: make every later call say why.
             let seq = inner.recorder.last_seq();
-            inner.health.failure.lock().take();
+            inner.health.clear();
             inner.poison(OP, seq, FailureKind::Reconnect(e.to_string()));
             return Err(e);
         }
-        *inner.health.failure.lock() = None;
-        inner.health.poisoned.store(false, Ordering::Release);
+        inner.health.clear();
         tracing::info!(
             rank = inner.rank,
             generation = next,
@@ -1450,7 +1411,7 @@ impl CommBackend for NcclBackend {
 
     fn shutdown(&self) -> Result<()> {
         let inner = &*self.inner;
-        if inner.health.shutdown.swap(true, Ordering::AcqRel) {
+        if !inner.health.begin_shutdown() {
             return Ok(());
         }
         let deadline = Instant::now() + inner.config.shutdown_timeout;
@@ -1469,7 +1430,7 @@ impl CommBackend for NcclBackend {
                     inner.slot.lock()
                 }
             };
-            let healthy = !inner.health.poisoned.load(Ordering::Acquire);
+            let healthy = !inner.health.is_poisoned();
             let mut idle = healthy;
             if healthy {
                 for s in [&slot.stream, &slot.comm_stream] {

@@ -169,6 +169,15 @@ pub fn all() -> Vec<Scenario> {
             reliability::reconnect_cycles,
         ),
         s(
+            "rel_reconnect_cycles_gpu",
+            "20 skipped-collective timeouts, reconnect on both ranks, memory and fds flat",
+            2,
+            Some(2),
+            &[2],
+            Nothing,
+            reliability::reconnect_cycles_gpu,
+        ),
+        s(
             "rel_init_without_a_rank",
             "NcclBackend::new fails by the init deadline when a rank never joins",
             2,

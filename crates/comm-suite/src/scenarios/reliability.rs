@@ -487,3 +487,160 @@ pub fn sigkill_rank(ctx: &RankCtx) -> anyhow::Result<()> {
     }
     bail!("no error within 60 s although a peer was killed")
 }
+
+/// The collective deadline of [`reconnect_cycles_gpu`]: short, so that 20
+/// induced timeouts stay well under the scenario's time budget.
+const GPU_CYCLE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Device memory a GPU may report as newly used between the first and the
+/// last cycle without it being a leak: the driver hands out device memory
+/// in 2 MiB pages, so one page of lazily created state can appear; a leak of
+/// one communicator's buffers per cycle would be far larger.
+const GPU_MEM_SLACK: usize = 2 << 20;
+
+/// Open files that may appear between the first and the last cycle without
+/// it being a leak: a flight-recorder dump the watchdog may still be
+/// writing and a rendezvous file being read or written by a peer thread
+/// (ranks are threads sharing one descriptor table). A leak of one
+/// descriptor per cycle would show as 19.
+const FD_SLACK: usize = 3;
+
+/// Rank 0 issues an all_reduce that rank 1 skips: it must time out by the
+/// short deadline naming `all_reduce` and the operation's sequence number,
+/// and leave the backend poisoned.
+fn timed_out_all_reduce(ctx: &RankCtx, b: &NcclBackend, cycle: u64) -> anyhow::Result<()> {
+    let mut buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
+    buf.fill_bytes(crate::data::POISON_BYTE)?;
+    let seq = b.recorder().last_seq() + 1;
+    ctx.step(format!(
+        "cycle {cycle}: all_reduce seq {seq} that rank 1 skips"
+    ));
+    let t = Instant::now();
+    // SAFETY: buf holds 2000 bytes on this device and outlives the call;
+    // synchronize waits for it or the deadline, which aborts the
+    // communicator before it returns.
+    let r = unsafe { b.all_reduce(buf.device_ptr(), 2000) }.and_then(|()| b.synchronize());
+    let took = t.elapsed();
+    let e = match r {
+        Ok(()) => bail!("cycle {cycle}: an all_reduce no peer joined completed"),
+        Err(e) => e,
+    };
+    let f = e
+        .failure()
+        .with_context(|| format!("cycle {cycle}: expected a timeout failure, got {e}"))?;
+    ensure!(
+        matches!(f.kind, FailureKind::Timeout { .. }),
+        "cycle {cycle}: expected a timeout, got {f}"
+    );
+    ensure!(
+        took <= GPU_CYCLE_TIMEOUT + SLACK,
+        "cycle {cycle}: error after {took:?}, timeout {GPU_CYCLE_TIMEOUT:?}"
+    );
+    ensure!(
+        f.op == "all_reduce" && f.seq == seq,
+        "cycle {cycle}: the failure names {} seq {}, expected all_reduce seq {seq}",
+        f.op,
+        f.seq
+    );
+    let msg = e.to_string();
+    ensure!(
+        msg.contains("all_reduce") && msg.contains(&format!("seq {seq}")),
+        "cycle {cycle}: the error does not name all_reduce and seq {seq}: {msg}"
+    );
+    ensure!(
+        !b.is_healthy(),
+        "cycle {cycle}: backend healthy after a timeout"
+    );
+    Ok(())
+}
+
+/// A correct all_reduce on random data: the buffer is poisoned, then loaded
+/// with this rank's input, and every element of the result is checked
+/// against the host reference (which differs from every input element).
+fn all_reduce_poisoned_first(ctx: &RankCtx, b: &NcclBackend, salt: u64) -> anyhow::Result<()> {
+    let w = ctx.world_size;
+    let seed = ctx.shared_seed(&format!("arp-{salt}"))?;
+    let inputs: Vec<Vec<bf16>> = (0..w).map(|k| random_vec(seed, k, salt, 1000)).collect();
+    let mut buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
+    buf.fill_bytes(crate::data::POISON_BYTE)?;
+    ensure!(
+        buf.to_host_vec()?.iter().all(|x| x.to_bits() == 0xFFFF),
+        "the buffer did not read back poisoned"
+    );
+    buf.copy_from_host(&inputs[ctx.rank])?;
+    // SAFETY: buf holds 2000 bytes on this device and outlives the call;
+    // synchronize waits for it.
+    unsafe { b.all_reduce(buf.device_ptr(), 2000)? };
+    b.synchronize()?;
+    check(
+        "all_reduce after reconnect",
+        &buf.to_host_vec()?,
+        &sum_in_rank_order(&inputs),
+        w <= 2 || !ctx.on_gpu(),
+        w,
+    )
+}
+
+/// 20 cycles of the GPU way to fail (rank 1 skips an all_reduce, rank 0
+/// times out by a 1 s deadline and is poisoned), reconnect on both ranks
+/// (the healthy rank 1 is aborted and replaced too) and a correct
+/// all_reduce, with device memory and open files flat from the first cycle
+/// to the last. Needs no fault injection.
+pub fn reconnect_cycles_gpu(ctx: &RankCtx) -> anyhow::Result<()> {
+    let cfg = ctx
+        .config()
+        .with_collective_timeout(GPU_CYCLE_TIMEOUT)
+        .with_fast_path(FastPathPolicy::Never);
+    let b = ctx.backend("reconnect-gpu", cfg)?;
+    all_reduce_poisoned_first(ctx, &b, 200)?;
+    let mut baseline = None;
+    for cycle in 0..20u64 {
+        if ctx.rank == 0 {
+            timed_out_all_reduce(ctx, &b, cycle)?;
+        } else {
+            ctx.step(format!("cycle {cycle}: skipping the all_reduce"));
+        }
+        ctx.barrier(&format!("gpu poisoned {cycle}"))?;
+        ctx.step(format!("cycle {cycle}: attempt_reconnect"));
+        let generation = b.generation();
+        b.attempt_reconnect()
+            .with_context(|| format!("cycle {cycle}: attempt_reconnect"))?;
+        ensure!(b.is_healthy(), "cycle {cycle}: unhealthy after reconnect");
+        ensure!(
+            b.generation() == generation + 1,
+            "cycle {cycle}: generation went from {generation} to {}",
+            b.generation()
+        );
+        ctx.step(format!("cycle {cycle}: all_reduce after reconnect"));
+        all_reduce_poisoned_first(ctx, &b, 300 + cycle)
+            .with_context(|| format!("cycle {cycle}"))?;
+        ctx.barrier(&format!("gpu checked {cycle}"))?;
+        if cycle == 0 || cycle == 19 {
+            let now = (b.context().mem_info()?.0, open_fds());
+            match baseline {
+                None => baseline = Some(now),
+                Some((mem, fds)) => {
+                    let slack = if ctx.on_gpu() { GPU_MEM_SLACK } else { 0 };
+                    ensure!(
+                        now.0 + slack >= mem,
+                        "device memory free went from {mem} to {} over 19 cycles",
+                        now.0
+                    );
+                    ensure!(
+                        now.1 <= fds + FD_SLACK,
+                        "open files went from {fds} to {} over 19 cycles",
+                        now.1
+                    );
+                }
+            }
+            ctx.barrier(&format!("gpu measured {cycle}"))?;
+        }
+    }
+    ensure!(
+        b.generation() == 20,
+        "generation {} after 20 reconnects",
+        b.generation()
+    );
+    b.shutdown()?;
+    Ok(())
+}
