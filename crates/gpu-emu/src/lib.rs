@@ -31,6 +31,15 @@
 //!   fp8, every built-in reduction (16-bit floats are added in `f32` and
 //!   rounded after each add, in rank order), registration, windows,
 //!   `ncclMemAlloc`, abort, finalize, destroy and asynchronous errors.
+//! - **Non-blocking communicators** (`config.blocking = 0`) enqueue in the
+//!   background as NCCL 2.28 does: a collective or send/recv outside a
+//!   group, and a group end holding their work, return `ncclInProgress`; the
+//!   work reaches the stream 0.2 - 2 ms later (the first operation of a
+//!   communicator only once every peer has launched its match: lazy
+//!   connection), and `ncclCommGetAsyncError` says `ncclInProgress` until
+//!   then. Another operation on the communicator before that is
+//!   `ncclInvalidUsage` ("previous operation still in progress"), so a stack
+//!   that does not wait is caught. Abort drops the pending work.
 //!
 //! # What is simplified
 //! - The NULL stream and `CU_STREAM_LEGACY` / `CU_STREAM_PER_THREAD` are one

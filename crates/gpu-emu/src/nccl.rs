@@ -18,6 +18,16 @@
 //!   the waiter's abort flag, so abort releases them promptly.
 //! - Reductions run in rank order; 16-bit floats are computed in `f32` and
 //!   rounded after each step, as NCCL's kernels do.
+//! - A non-blocking communicator's operations (outside a group, or in a
+//!   group whose end holds work of one) are launched at the call but reach
+//!   the stream later, from a background thread, after a short random delay
+//!   and, for the communicator's first operation, once every peer has
+//!   launched its matching operation (NCCL connects lazily). The call
+//!   returns `ncclInProgress`, `ncclCommGetAsyncError` says `ncclInProgress`
+//!   until the enqueue is done, and any other operation on the communicator
+//!   meanwhile is `ncclInvalidUsage`. Abort drops the pending work.
+//! - A launched operation counts as in flight until its work runs or is
+//!   dropped.
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -41,6 +51,8 @@ use crate::stream::{self, Launcher, Target, Work};
 use crate::{Table, driver, guard, id_to_ptr, new_id, ptr_to_id, put};
 
 const TICK: Duration = Duration::from_millis(20);
+/// How often a background enqueue re-checks its peers and abort flags.
+const POLL: Duration = Duration::from_millis(1);
 const CONFIG_MAGIC: u32 = 0xcafe_beef;
 const VERSION: c_int = 22803;
 
@@ -460,6 +472,11 @@ struct SplitEntry {
 
 struct WorldSt {
     aborted: Vec<bool>,
+    /// The highest collective sequence number each rank has launched.
+    launched: Vec<u64>,
+    /// Point-to-point operations launched, by (source, destination, is the
+    /// send side).
+    p2p: BTreeMap<(usize, usize, bool), u64>,
     slots: BTreeMap<u64, Slot>,
     mail: BTreeMap<(usize, usize), VecDeque<Msg>>,
     splits: BTreeMap<u64, Vec<Option<SplitEntry>>>,
@@ -478,6 +495,8 @@ impl World {
             n,
             st: Mutex::new(WorldSt {
                 aborted: vec![false; n],
+                launched: vec![0; n],
+                p2p: BTreeMap::new(),
                 slots: BTreeMap::new(),
                 mail: BTreeMap::new(),
                 splits: BTreeMap::new(),
@@ -604,6 +623,8 @@ struct CommSt {
     async_err: Option<ncclResult_t>,
     last: Option<(u64, &'static CStr)>,
     inflight: u64,
+    /// Background enqueues of a non-blocking communicator not yet done.
+    pending: u32,
     finalizing: bool,
     regs: BTreeSet<u64>,
     wins: BTreeSet<u64>,
@@ -622,6 +643,9 @@ struct Comm {
     seq: AtomicU64,
     ops: AtomicU64,
     split_seq: AtomicU64,
+    /// A non-blocking communicator's first operation has been enqueued
+    /// (NCCL connects lazily at first use).
+    connected: AtomicBool,
     st: Mutex<CommSt>,
     cv: Condvar,
 }
@@ -638,6 +662,7 @@ impl Comm {
             seq: AtomicU64::new(0),
             ops: AtomicU64::new(0),
             split_seq: AtomicU64::new(0),
+            connected: AtomicBool::new(false),
             st: Mutex::new(CommSt {
                 rank,
                 nranks,
@@ -645,6 +670,7 @@ impl Comm {
                 async_err: None,
                 last: None,
                 inflight: 0,
+                pending: 0,
                 finalizing: false,
                 regs: BTreeSet::new(),
                 wins: BTreeSet::new(),
@@ -700,6 +726,19 @@ impl Comm {
             );
         }
         Ok((st.rank as usize, st.nranks as usize, st.world.clone()))
+    }
+
+    /// Refuses a call while an earlier background enqueue of this
+    /// (non-blocking) communicator is pending: the user must first poll
+    /// `ncclCommGetAsyncError` until it leaves `ncclInProgress`.
+    fn idle(&self) -> R<()> {
+        if self.st.lock().pending > 0 {
+            return fail(
+                ncclResult_t::ncclInvalidUsage,
+                "previous operation still in progress (non-blocking communicator)",
+            );
+        }
+        Ok(())
     }
 }
 
@@ -835,7 +874,8 @@ unsafe fn parse_config(cfg: *const ncclConfig_t, default: bool) -> R<bool> {
 struct GroupItem {
     target: Target,
     is_send: bool,
-    l: Launcher,
+    comm: Arc<Comm>,
+    body: Arc<Body>,
 }
 
 #[derive(Default)]
@@ -896,41 +936,66 @@ fn group_end() -> R<ncclResult_t> {
     if let Some(e) = gerr {
         return Err(e);
     }
-    let mut per: Vec<(Target, Vec<(bool, Launcher)>)> = Vec::new();
+    // One task per stream, sends first, streams in order of first use.
+    let mut per: Vec<(Target, Vec<GroupItem>)> = Vec::new();
     for it in items {
         match per
             .iter_mut()
             .find(|(t, _)| Arc::ptr_eq(&t.stream, &it.target.stream))
         {
-            Some((_, v)) => v.push((it.is_send, it.l)),
-            None => per.push((it.target, vec![(it.is_send, it.l)])),
+            Some((_, v)) => v.push(it),
+            None => {
+                let t = Target {
+                    stream: it.target.stream.clone(),
+                    sync: it.target.sync,
+                };
+                per.push((t, vec![it]));
+            }
         }
     }
-    let mut waits = Vec::new();
-    for (t, ls) in per {
-        let (sends, rest): (Vec<_>, Vec<_>) = ls.into_iter().partition(|(s, _)| *s);
-        let ordered: Vec<Launcher> = sends.into_iter().chain(rest).map(|(_, l)| l).collect();
-        let combined: Launcher = Arc::new(move || {
-            let works: Vec<Work> = ordered.iter().map(|l| l()).collect();
-            Box::new(move || {
-                for w in works {
-                    w();
-                }
-            })
-        });
-        if stream::enqueue(&t, combined) && t.sync {
-            waits.push(t.stream);
-        }
+    for (_, v) in per.iter_mut() {
+        v.sort_by_key(|it| !it.is_send);
     }
-    for s in waits {
-        s.wait_idle().map_err(|e| {
-            err(
-                ncclResult_t::ncclUnhandledCudaError,
-                format!("stream error {}", e.0),
-            )
-        })?;
-    }
+    let deferred = per
+        .iter()
+        .any(|(t, v)| !t.stream.capturing() && v.iter().any(|it| !it.comm.blocking));
     let mut result = ncclResult_t::ncclSuccess;
+    if deferred {
+        let mut job = Job::default();
+        for (t, v) in per {
+            if t.stream.capturing() {
+                let ls: Vec<Launcher> =
+                    v.into_iter().map(|it| launcher(it.comm, it.body)).collect();
+                stream::enqueue(&t, combine_launchers(ls));
+                continue;
+            }
+            let mut works = Vec::with_capacity(v.len());
+            for it in v {
+                let (w, need) = launch(&it.comm, &it.body);
+                job.add_comm(&it.comm, need);
+                works.push((it.comm, w));
+            }
+            job.items.push((t, works));
+        }
+        defer(job);
+        result = ncclResult_t::ncclInProgress;
+    } else {
+        let mut waits = Vec::new();
+        for (t, v) in per {
+            let ls: Vec<Launcher> = v.into_iter().map(|it| launcher(it.comm, it.body)).collect();
+            if stream::enqueue(&t, combine_launchers(ls)) && t.sync {
+                waits.push(t.stream);
+            }
+        }
+        for s in waits {
+            s.wait_idle().map_err(|e| {
+                err(
+                    ncclResult_t::ncclUnhandledCudaError,
+                    format!("stream error {}", e.0),
+                )
+            })?;
+        }
+    }
     for c in inits {
         if c.blocking {
             c.wait_ready();
@@ -959,30 +1024,200 @@ enum Body {
     },
 }
 
-fn launcher(comm: Arc<Comm>, body: Body) -> Launcher {
-    let body = Arc::new(body);
+/// One launcher running `ls` in order as one task.
+fn combine_launchers(ls: Vec<Launcher>) -> Launcher {
     Arc::new(move || {
-        let seq = match *body {
-            Body::Coll(_) => comm.seq.fetch_add(1, Ordering::AcqRel) + 1,
-            _ => 0,
-        };
-        let nth = comm.ops.fetch_add(1, Ordering::AcqRel) + 1;
-        let rank = {
-            let mut st = comm.st.lock();
-            st.inflight += 1;
-            st.rank
-        };
-        let f = fault::take_op(rank, nth);
-        if f == Some(Fault::Die) {
-            comm.dead.store(true, Ordering::Release);
-        }
-        let comm = comm.clone();
-        let body = body.clone();
+        let works: Vec<Work> = ls.iter().map(|l| l()).collect();
         Box::new(move || {
-            let _g = Inflight(comm.clone());
-            run(&comm, seq, f, &body);
+            for w in works {
+                w();
+            }
         })
     })
+}
+
+/// A launcher of `body` for the stream (immediate launch or capture).
+fn launcher(comm: Arc<Comm>, body: Arc<Body>) -> Launcher {
+    Arc::new(move || launch(&comm, &body).0)
+}
+
+/// What a non-blocking communicator's first operation waits for before it
+/// is enqueued: its peers' matching launches.
+enum Need {
+    /// Never satisfied: the communicator has no world (it never joined).
+    Never,
+    /// Every rank launched collective `seq`.
+    Coll { world: Arc<World>, seq: u64 },
+    /// At least `k` launches on the `(src, dst, send side)` counter.
+    P2p {
+        world: Arc<World>,
+        key: (usize, usize, bool),
+        k: u64,
+    },
+}
+
+impl Need {
+    fn met(&self) -> bool {
+        match self {
+            Need::Never => false,
+            Need::Coll { world, seq } => world.st.lock().launched.iter().all(|s| s >= seq),
+            Need::P2p { world, key, k } => world.st.lock().p2p.get(key).copied().unwrap_or(0) >= *k,
+        }
+    }
+}
+
+/// Launches `body` now: takes its sequence number, registers the launch
+/// with the world (for lazy connection), takes its fault, counts it in
+/// flight until its work runs or is dropped, and returns the work with what
+/// a first operation waits for.
+fn launch(comm: &Arc<Comm>, body: &Arc<Body>) -> (Work, Need) {
+    let seq = match **body {
+        Body::Coll(_) => comm.seq.fetch_add(1, Ordering::AcqRel) + 1,
+        _ => 0,
+    };
+    let nth = comm.ops.fetch_add(1, Ordering::AcqRel) + 1;
+    let (rank, world) = {
+        let mut st = comm.st.lock();
+        st.inflight += 1;
+        (st.rank, st.world.clone())
+    };
+    let g = Inflight(comm.clone());
+    let need = match world {
+        None => Need::Never,
+        Some(world) => {
+            let r = rank as usize;
+            let need = {
+                let mut ws = world.st.lock();
+                match **body {
+                    Body::Coll(_) => {
+                        if let Some(l) = ws.launched.get_mut(r) {
+                            *l = (*l).max(seq);
+                        }
+                        None
+                    }
+                    Body::Send { peer, .. } => {
+                        let c = ws.p2p.entry((r, peer, true)).or_default();
+                        *c += 1;
+                        Some(((r, peer, false), *c))
+                    }
+                    Body::Recv { peer, .. } => {
+                        let c = ws.p2p.entry((peer, r, false)).or_default();
+                        *c += 1;
+                        Some(((peer, r, true), *c))
+                    }
+                }
+            };
+            match need {
+                None => Need::Coll { world, seq },
+                Some((key, k)) => Need::P2p { world, key, k },
+            }
+        }
+    };
+    let f = fault::take_op(rank, nth);
+    if f == Some(Fault::Die) {
+        comm.dead.store(true, Ordering::Release);
+    }
+    let comm = comm.clone();
+    let body = body.clone();
+    let work: Work = Box::new(move || {
+        let _g = g;
+        run(&comm, seq, f, &body);
+    });
+    (work, need)
+}
+
+/// Launched work and the communicator it belongs to.
+type CommWork = (Arc<Comm>, Work);
+
+/// Work of non-blocking communicators that NCCL's background thread
+/// enqueues later.
+#[derive(Default)]
+struct Job {
+    /// Per stream, in call order: each communicator's launched work.
+    items: Vec<(Target, Vec<CommWork>)>,
+    /// The non-blocking communicators involved, each once.
+    comms: Vec<Arc<Comm>>,
+    /// What first operations wait for, by communicator.
+    needs: Vec<(Arc<Comm>, Need)>,
+}
+
+impl Job {
+    /// Notes `comm`'s part in the job; a not yet connected non-blocking
+    /// communicator's operation waits for `need`.
+    fn add_comm(&mut self, comm: &Arc<Comm>, need: Need) {
+        if comm.blocking {
+            return;
+        }
+        if !self.comms.iter().any(|c| Arc::ptr_eq(c, comm)) {
+            self.comms.push(comm.clone());
+        }
+        if !comm.connected.load(Ordering::Acquire) {
+            self.needs.push((comm.clone(), need));
+        }
+    }
+}
+
+/// Marks `comms` as no longer pending (and connected).
+fn finish(comms: &[Arc<Comm>]) {
+    for c in comms {
+        c.connected.store(true, Ordering::Release);
+        let mut st = c.st.lock();
+        st.pending = st.pending.saturating_sub(1);
+        c.cv.notify_all();
+    }
+}
+
+/// Hands `job` to a background thread that enqueues it after a short
+/// random delay and, for first operations, once the peers' matching
+/// operations are launched; until then its communicators are pending.
+/// Work of a communicator aborted meanwhile is dropped, not enqueued.
+fn defer(job: Job) {
+    for c in &job.comms {
+        c.st.lock().pending += 1;
+    }
+    let comms = job.comms.clone();
+    let spawned = std::thread::Builder::new()
+        .name("emu-nccl-enqueue".into())
+        .spawn(move || {
+            use rand::Rng;
+            let delay = rand::rng().random_range(200..2000);
+            std::thread::sleep(Duration::from_micros(delay));
+            loop {
+                let waiting = job.needs.iter().any(|(c, n)| !c.aborted() && !n.met());
+                if !waiting || job.comms.iter().all(|c| c.aborted()) {
+                    break;
+                }
+                std::thread::sleep(POLL);
+            }
+            for (t, works) in job.items {
+                let works: Vec<Work> = works
+                    .into_iter()
+                    .filter(|(c, _)| !c.aborted())
+                    .map(|(_, w)| w)
+                    .collect();
+                if !works.is_empty() {
+                    stream::push_launched(
+                        &t,
+                        Box::new(move || {
+                            for w in works {
+                                w();
+                            }
+                        }),
+                    );
+                }
+            }
+            finish(&job.comms);
+        });
+    if let Err(e) = spawned {
+        tracing::error!(error = %e, "could not start the emulated NCCL enqueue thread");
+        for c in &comms {
+            c.set_async(
+                ncclResult_t::ncclSystemError,
+                "could not start the background enqueue thread",
+            );
+        }
+        finish(&comms);
+    }
 }
 
 fn run(comm: &Arc<Comm>, seq: u64, f: Option<Fault>, body: &Body) {
@@ -1121,25 +1356,43 @@ fn run_recv(
     Some(Ok(()))
 }
 
-/// Launches (or groups) an operation of `comm` on `stream`.
-fn submit_op(comm: &Arc<Comm>, stream: cudaStream_t, is_send: bool, body: Body) -> R<()> {
+/// Launches (or groups) an operation of `comm` on `stream`. A
+/// non-blocking communicator's operation outside a group is enqueued in the
+/// background: `ncclInProgress`.
+fn submit_op(comm: &Arc<Comm>, stream: cudaStream_t, is_send: bool, body: Body) -> R<ncclResult_t> {
     let target = stream::resolve(stream, Some(comm.device)).map_err(|e| {
         err(
             ncclResult_t::ncclInvalidArgument,
             format!("invalid stream (CUDA error {})", e.0),
         )
     })?;
-    let l = launcher(comm.clone(), body);
+    let body = Arc::new(body);
     if in_group() {
-        GROUP.with(|g| g.borrow_mut().items.push(GroupItem { target, is_send, l }));
-        return Ok(());
+        GROUP.with(|g| {
+            g.borrow_mut().items.push(GroupItem {
+                target,
+                is_send,
+                comm: comm.clone(),
+                body,
+            })
+        });
+        return Ok(ncclResult_t::ncclSuccess);
     }
-    stream::submit(&target, l).map_err(|e| {
+    if !comm.blocking && !target.stream.capturing() {
+        let (w, need) = launch(comm, &body);
+        let mut job = Job::default();
+        job.add_comm(comm, need);
+        job.items.push((target, vec![(comm.clone(), w)]));
+        defer(job);
+        return Ok(ncclResult_t::ncclInProgress);
+    }
+    stream::submit(&target, launcher(comm.clone(), body)).map_err(|e| {
         err(
             ncclResult_t::ncclUnhandledCudaError,
             format!("stream error {}", e.0),
         )
-    })
+    })?;
+    Ok(ncclResult_t::ncclSuccess)
 }
 
 fn check_buf(p: u64, elems: usize, esz: usize, what: &str) -> R<()> {
@@ -1174,6 +1427,7 @@ fn coll(
         grouped((|| {
             let c = lookup(comm)?;
             let (rank, n, _) = c.ready()?;
+            c.idle()?;
             let dt = Dt::from_nccl(dt)?;
             let op = if kind.reduces() {
                 Op::from_nccl(op)?
@@ -1209,8 +1463,7 @@ fn coll(
                 op,
                 root,
             };
-            submit_op(&c, stream, false, Body::Coll(d))?;
-            Ok(ncclResult_t::ncclSuccess)
+            submit_op(&c, stream, false, Body::Coll(d))
         })())
     })
 }
@@ -1228,6 +1481,7 @@ fn p2p(
         grouped((|| {
             let c = lookup(comm)?;
             let (_, n, _) = c.ready()?;
+            c.idle()?;
             let dt = Dt::from_nccl(dt)?;
             if peer < 0 || peer as usize >= n {
                 return fail(
@@ -1260,8 +1514,7 @@ fn p2p(
                     dt,
                 }
             };
-            submit_op(&c, stream, is_send, body)?;
-            Ok(ncclResult_t::ncclSuccess)
+            submit_op(&c, stream, is_send, body)
         })())
     })
 }
@@ -1459,6 +1712,7 @@ pub unsafe extern "C" fn ncclCommSplit(
         grouped((|| {
             let parent = lookup(comm)?;
             let (rank, n, world) = parent.ready()?;
+            parent.idle()?;
             let Some(world) = world else {
                 return fail(
                     ncclResult_t::ncclInvalidUsage,
@@ -1617,6 +1871,7 @@ pub extern "C" fn ncclRedOpDestroy(op: ncclRedOp_t, comm: ncclComm_t) -> ncclRes
 pub extern "C" fn ncclCommFinalize(comm: ncclComm_t) -> ncclResult_t {
     entry(|| {
         let c = lookup(comm)?;
+        c.idle()?;
         let mut st = c.st.lock();
         st.finalizing = true;
         if !c.blocking {
@@ -1682,7 +1937,8 @@ pub extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
 }
 
 /// `ncclCommGetAsyncError`: the first asynchronous error, `ncclInProgress`
-/// while init or a non-blocking finalize is pending, else `ncclSuccess`.
+/// while init, a background enqueue or a non-blocking finalize is pending,
+/// else `ncclSuccess`.
 ///
 /// # Safety
 /// `async_error` is null or valid for a write.
@@ -1698,6 +1954,7 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(
             if let Some(e) = st.async_err {
                 e
             } else if (st.world.is_none() && !(c.ghost && c.blocking))
+                || st.pending > 0
                 || (st.finalizing && st.inflight > 0)
             {
                 ncclResult_t::ncclInProgress
@@ -1757,6 +2014,7 @@ pub unsafe extern "C" fn ncclCommUserRank(comm: ncclComm_t, rank: *mut c_int) ->
 fn register(comm: ncclComm_t, buff: u64, size: usize, window: bool) -> R<u64> {
     let c = lookup(comm)?;
     c.ready()?;
+    c.idle()?;
     if size == 0 || !range_ok(buff, size, true) {
         return fail(
             ncclResult_t::ncclInvalidArgument,
@@ -1943,7 +2201,8 @@ pub extern "C" fn ncclGroupStart() -> ncclResult_t {
 }
 
 /// `ncclGroupEnd`: the outermost end launches the group, one task per
-/// stream with sends first.
+/// stream with sends first; with work of a non-blocking communicator the
+/// tasks are enqueued in the background and the end is `ncclInProgress`.
 #[unsafe(no_mangle)]
 pub extern "C" fn ncclGroupEnd() -> ncclResult_t {
     entry(group_end)

@@ -201,6 +201,13 @@ pub(crate) fn enqueue(t: &Target, l: Launcher) -> bool {
     true
 }
 
+/// Pushes work that was launched earlier (its launcher already ran) onto
+/// `t`'s queue without waiting, even for the legacy stream: the caller is a
+/// background thread and the host call that launched it has returned.
+pub(crate) fn push_launched(t: &Target, w: Work) {
+    t.stream.push(w);
+}
+
 /// Waits for every stream of `device`.
 pub(crate) fn sync_device(device: i32) -> Result<(), CUresult> {
     for s in STREAMS.values() {

@@ -163,6 +163,18 @@ pub enum FailureKind {
     Reconnect(String),
 }
 
+impl FailureKind {
+    /// `AsyncError` when `e` is the communicator's asynchronous error (seen
+    /// while the call waited for NCCL), else `CallFailed`.
+    pub fn from_call(e: nccl_safe::Error) -> FailureKind {
+        if e.is_async() {
+            FailureKind::AsyncError(e)
+        } else {
+            FailureKind::CallFailed(e)
+        }
+    }
+}
+
 impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(

@@ -325,10 +325,12 @@ impl NcclBackend {
         &self.inner.config
     }
 
-    /// Which path `all_reduce` takes now for `bytes`.
+    /// Which path `all_reduce` takes now for `bytes` in ordinary device
+    /// memory (buffers in registered or symmetric memory always take NCCL's
+    /// all-reduce).
     pub fn all_reduce_path(&self, bytes: usize) -> AllReducePath {
         let slot = self.inner.slot.lock();
-        self.inner.choose_path(&slot, bytes)
+        self.inner.choose_path(&slot, None, bytes)
     }
 }
 
@@ -370,6 +372,25 @@ impl Slot {
             group_joins: Vec::new(),
             group_watch: Vec::new(),
         })
+    }
+}
+
+impl Slot {
+    /// Whether `[ptr, ptr + bytes)` overlaps a registered buffer or a
+    /// symmetric allocation. Such buffers take NCCL's all-reduce, which is
+    /// what registration is for: on 2 H200s the fast path's grouped
+    /// send/recv from a registered `ncclMemAlloc` buffer did not complete.
+    fn in_registered_memory(&self, ptr: u64, bytes: usize) -> bool {
+        let end = ptr.saturating_add(bytes as u64);
+        let overlaps =
+            |start: u64, len: usize| ptr < start.saturating_add(len as u64) && start < end;
+        self.registered
+            .values()
+            .any(|&(start, len)| overlaps(start, len))
+            || self
+                .symmetric
+                .iter()
+                .any(|(&start, buf)| overlaps(start, buf.bytes()))
     }
 }
 
@@ -422,11 +443,14 @@ impl Inner {
         Ok(())
     }
 
-    fn choose_path(&self, slot: &Slot, bytes: usize) -> AllReducePath {
+    /// The all-reduce path for `bytes` at `ptr` (`None`: an address outside
+    /// registered and symmetric memory).
+    fn choose_path(&self, slot: &Slot, ptr: Option<u64>, bytes: usize) -> AllReducePath {
         if self.world_size == 2
             && !self.in_group()
             && slot.kernel.raw().is_some()
             && self.config.fast_path.takes_fast_path(bytes)
+            && !ptr.is_some_and(|p| slot.in_registered_memory(p, bytes))
         {
             AllReducePath::FastPath
         } else {
@@ -515,7 +539,7 @@ impl Inner {
             return Err(CommError::Failed(self.poison(
                 op,
                 seq,
-                FailureKind::CallFailed(e),
+                FailureKind::from_call(e),
             )));
         }
         self.watched.lock().push(Watched {
@@ -577,7 +601,7 @@ impl Inner {
             return Err(CommError::Failed(self.poison(
                 op,
                 seq,
-                FailureKind::CallFailed(e),
+                FailureKind::from_call(e),
             )));
         }
         // Under capture nothing is queried: the capturing thread may not
@@ -634,7 +658,7 @@ impl Inner {
                     return Err(CommError::Failed(self.poison(
                         op,
                         seq,
-                        FailureKind::CallFailed(e),
+                        FailureKind::from_call(e),
                     )));
                 }
             }
@@ -739,7 +763,7 @@ impl Inner {
             return;
         }
         if let Some((op, seq, e)) = failed {
-            self.poison(op, seq, FailureKind::CallFailed(e));
+            self.poison(op, seq, FailureKind::from_call(e));
             return;
         }
         // The asynchronous error needs the communicator: skip this round if
@@ -820,7 +844,7 @@ impl Inner {
         bytes: usize,
         stream: u64,
     ) -> nccl_safe::Result<()> {
-        match self.choose_path(slot, bytes) {
+        match self.choose_path(slot, Some(ptr), bytes) {
             AllReducePath::FastPath => self.fast_path(slot, ptr, bytes, stream),
             AllReducePath::Nccl => {
                 let comm = slot
@@ -1286,7 +1310,7 @@ impl CommBackend for NcclBackend {
             return Err(CommError::Failed(inner.poison(
                 OP,
                 seq,
-                FailureKind::CallFailed(e),
+                FailureKind::from_call(e),
             )));
         }
         let comm_stream = slot.comm_stream.raw();
@@ -1304,7 +1328,7 @@ impl CommBackend for NcclBackend {
                 return Err(CommError::Failed(inner.poison(
                     OP,
                     seq,
-                    FailureKind::CallFailed(e),
+                    FailureKind::from_call(e),
                 )));
             }
         }

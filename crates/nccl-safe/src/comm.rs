@@ -34,6 +34,10 @@ use crate::stream::{Stream, poll_until};
 /// enqueueing earlier work (`ncclInProgress`) before giving up.
 pub const ENQUEUE_DEADLINE: Duration = Duration::from_secs(30);
 
+/// The call named by errors that are the communicator's asynchronous error
+/// (see [`Error::is_async`]).
+pub const ASYNC_ERROR_CALL: &str = "ncclCommGetAsyncError";
+
 /// How long dropping a communicator waits for `ncclCommFinalize` before it
 /// aborts the communicator instead.
 pub const DROP_DEADLINE: Duration = Duration::from_secs(10);
@@ -255,8 +259,10 @@ fn wait_shared(
         } else if r == ncclResult_t::ncclInProgress {
             Ok(false)
         } else {
+            // The communicator's asynchronous error, seen while waiting: it
+            // is reported as such (`Error::is_async`), not as `call`'s own.
             let raw = state.lock().raw;
-            nccl_check(r, call, raw).map(|()| true)
+            nccl_check(r, ASYNC_ERROR_CALL, raw).map(|()| true)
         }
     })
 }
@@ -567,12 +573,11 @@ impl Comm {
     /// `Ok` for success and in-progress, the NCCL error otherwise, and
     /// [`Error::Aborted`] after an abort.
     pub fn async_error(&self) -> Result<()> {
-        const CALL: &str = "ncclCommGetAsyncError";
-        let r = async_state(&self.state, CALL)?;
+        let r = async_state(&self.state, ASYNC_ERROR_CALL)?;
         if r == ncclResult_t::ncclInProgress {
             return Ok(());
         }
-        nccl_check(r, CALL, self.raw)
+        nccl_check(r, ASYNC_ERROR_CALL, self.raw)
     }
 
     /// NCCL's last error text (`ncclGetLastError`).

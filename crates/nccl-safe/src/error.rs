@@ -132,6 +132,13 @@ impl Error {
     pub fn is_nccl(&self, code: NcclCode) -> bool {
         matches!(self, Error::Nccl(e) if e.code == code)
     }
+
+    /// True when this is the communicator's asynchronous error (reported by
+    /// `ncclCommGetAsyncError`, also when seen while a call waited for NCCL's
+    /// background enqueue), rather than an error of a call itself.
+    pub fn is_async(&self) -> bool {
+        matches!(self, Error::Nccl(n) if n.call == crate::comm::ASYNC_ERROR_CALL)
+    }
 }
 
 /// The process's CUDA driver, as this crate's error type.

@@ -44,7 +44,8 @@ pub mod registration;
 pub mod stream;
 
 pub use comm::{
-    AbortHandle, Comm, DROP_DEADLINE, ENQUEUE_DEADLINE, ReduceOp, UniqueId, default_config,
+    ASYNC_ERROR_CALL, AbortHandle, Comm, DROP_DEADLINE, ENQUEUE_DEADLINE, ReduceOp, UniqueId,
+    default_config,
 };
 pub use driver::{
     Context, DeviceInfo, can_access_peer, device_count, device_info, driver_version, init,
