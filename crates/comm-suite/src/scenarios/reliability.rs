@@ -428,7 +428,20 @@ pub fn idle_command_wait(ctx: &RankCtx) -> anyhow::Result<()> {
         emu.inject(1, Fault::AsyncError, 1)?;
     }
     ctx.barrier("idle poison injected")?;
-    b.barrier()?;
+    let barrier = b.barrier();
+    if ctx.rank == 1 {
+        // The injected error follows the barrier's completion: the barrier
+        // may see it (while it waits) or not; either way it is that error.
+        if let Err(e) = &barrier {
+            ensure!(
+                e.failure()
+                    .is_some_and(|f| matches!(f.kind, metrale_comm::FailureKind::AsyncError(_))),
+                "the barrier failed with something else than the injected error: {e}"
+            );
+        }
+    } else {
+        barrier?;
+    }
     if ctx.rank == 1 {
         let cmd = DeviceBuffer::<u32>::alloc(b.context(), 1)?;
         ctx.step("recv_command_u32 while an async error poisons");
