@@ -49,12 +49,16 @@ fn every_scenario_on_the_emulator() {
             rows.push((name, vec![Some((out, took))]));
         }
     }
-    println!("\n{}", comm_suite::table(&["emulator".to_string()], &rows));
-    println!(
-        "comm-suite on the emulator: {} scenarios, {passed} passed, {failed} failed, {skipped} skipped ({:.0}s)",
+    // Written to stderr directly, not through `println!`, so the table and
+    // the count show in `cargo test` output even when the test passes (the
+    // test harness captures only the print macros).
+    let summary = format!(
+        "\n{}\ncomm-suite on the emulator: {} scenarios, {passed} passed, {failed} failed, {skipped} skipped ({:.0}s)\n",
+        comm_suite::table(&["emulator".to_string()], &rows),
         rows.len(),
         total.elapsed().as_secs_f64()
     );
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), summary.as_bytes());
     assert!(
         failures.is_empty(),
         "failed scenarios:\n{}",

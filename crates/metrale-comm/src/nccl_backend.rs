@@ -37,7 +37,7 @@ use crate::diagnostics::{DumpHeader, FlightRecorder, OpState};
 use crate::error::{CommError, Failure, FailureKind};
 use crate::health::Health;
 use crate::kernels;
-use crate::rendezvous::{EnvConfig, Rendezvous, TcpRendezvous};
+use crate::rendezvous::{EnvConfig, FixedIdRendezvous, Rendezvous, TcpRendezvous};
 
 /// Which algorithm an all-reduce takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -291,6 +291,19 @@ impl NcclBackend {
             .ok()
             .filter(|t| !t.is_empty());
         let rv = TcpRendezvous::new(env.rank, env.world_size, addr, token, config.init_timeout)?;
+        NcclBackend::new(config, Box::new(rv))
+    }
+
+    /// Builds a backend from a unique id the engine distributed itself
+    /// (rank 0 made it with `nccl_safe::UniqueId::new`). Such a backend
+    /// cannot reconnect: that needs a rendezvous to agree on a new id.
+    pub fn with_unique_id(
+        config: BackendConfig,
+        id: &UniqueId,
+        rank: usize,
+        world_size: usize,
+    ) -> Result<NcclBackend> {
+        let rv = FixedIdRendezvous::new(rank, world_size, *id.as_bytes())?;
         NcclBackend::new(config, Box::new(rv))
     }
 

@@ -602,3 +602,50 @@ pub fn engine_flow(ctx: &RankCtx) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// A backend built from a unique id the engine distributed itself works,
+/// and refuses to reconnect with an error naming why (then stays poisoned
+/// with that cause).
+pub fn fixed_unique_id(ctx: &RankCtx) -> anyhow::Result<()> {
+    let seed = ctx.shared_seed("fixed-id")?;
+    let (w, r) = (ctx.world_size, ctx.rank);
+    let id = ctx.unique_id("fixed-id")?;
+    ctx.step("NcclBackend::with_unique_id");
+    let b = metrale_comm::NcclBackend::with_unique_id(ctx.config(), &id, r, w)?;
+    ensure!(
+        b.rank() == r && b.world_size() == w,
+        "rank or world size wrong"
+    );
+    let n = 4097;
+    let inputs: Vec<Vec<bf16>> = (0..w).map(|k| random_vec(seed, k, 5, n)).collect();
+    let buf = DeviceBuffer::from_host(b.context(), &inputs[r])?;
+    // SAFETY: buf holds 2n bytes on this device; synchronize waits for it.
+    unsafe { b.all_reduce(buf.device_ptr(), 2 * n)? };
+    b.synchronize()?;
+    check(
+        "all_reduce over a fixed unique id",
+        &buf.to_host_vec()?,
+        &sum_in_rank_order(&inputs),
+        exact(ctx),
+        w,
+    )?;
+    ctx.barrier("fixed-id reduced")?;
+    ctx.step("attempt_reconnect without a rendezvous");
+    let err = match b.attempt_reconnect() {
+        Ok(()) => bail!("attempt_reconnect succeeded without a way to agree on a new id"),
+        Err(e) => e,
+    };
+    ensure!(
+        matches!(err, CommError::Rendezvous(_)),
+        "expected a rendezvous error, got {err}"
+    );
+    ensure!(!b.is_healthy(), "healthy without a communicator");
+    // SAFETY: refused before anything is submitted.
+    match unsafe { b.all_reduce(buf.device_ptr(), 2 * n) } {
+        Err(CommError::Poisoned { cause, .. })
+            if matches!(cause.kind, metrale_comm::FailureKind::Reconnect(_)) => {}
+        other => bail!("after a failed reconnect: expected Poisoned by it, got {other:?}"),
+    }
+    b.shutdown()?;
+    Ok(())
+}

@@ -124,6 +124,15 @@ pub fn all() -> Vec<Scenario> {
             backend::local_backend,
         ),
         s(
+            "backend_fixed_unique_id",
+            "a backend from an engine-distributed unique id; reconnect refused with its cause",
+            2,
+            None,
+            &[2],
+            Nothing,
+            backend::fixed_unique_id,
+        ),
+        s(
             "backend_engine_flow",
             "commands by broadcast/recv_command_u32, all_reduce, barrier, shutdown",
             2,

@@ -14,6 +14,7 @@
 //! bounded by a caller-given timeout.
 
 mod file;
+mod fixed;
 mod store;
 mod tcp;
 mod wire;
@@ -23,6 +24,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 pub use file::FileRendezvous;
+pub use fixed::FixedIdRendezvous;
 pub use store::{DEFAULT_IDLE_LIMIT, DEFAULT_IO_TIMEOUT, StoreClient, StoreServer};
 pub use tcp::TcpRendezvous;
 
