@@ -57,6 +57,41 @@ fn sweep(on_gpu: bool) -> Vec<usize> {
     v
 }
 
+/// Element counts for the every-operation scenario: 20 on the emulator
+/// (1 element to 16 MiB of bf16, odd counts included; 14, to 4 MiB, for
+/// more than 2 ranks, to keep CI's 2 cores under its time), 23 on GPUs (to
+/// 256 MiB).
+fn op_counts(on_gpu: bool, world_size: usize) -> Vec<usize> {
+    let mut v = vec![
+        1,
+        2,
+        3,
+        17,
+        255,
+        1000,
+        4097,
+        8191,
+        65_537,
+        100_003,
+        262_147,
+        (1 << 19) + 1,
+        (1 << 20) + 7,
+        (2 << 20) + 1,
+        3 << 20,
+        (4 << 20) + 3,
+        5 << 20,
+        6 << 20,
+        (7 << 20) + 5,
+        8 << 20,
+    ];
+    if on_gpu {
+        v.extend([32 << 20, 64 << 20, 128 << 20]);
+    } else if world_size > 2 {
+        v.truncate(14);
+    }
+    v
+}
+
 fn exact(ctx: &RankCtx) -> bool {
     ctx.world_size <= 2 || !ctx.on_gpu()
 }
@@ -126,10 +161,7 @@ pub fn every_operation(ctx: &RankCtx) -> anyhow::Result<()> {
     let b = ctx.backend("ops", ctx.config().with_fast_path(FastPathPolicy::DEFAULT))?;
     let c = b.context().clone();
     let stream = Stream::new(&c)?;
-    for (si, n) in [1usize, 17, 4097, 65537, (1 << 20) + 7]
-        .into_iter()
-        .enumerate()
-    {
+    for (si, n) in op_counts(ctx.on_gpu(), w).into_iter().enumerate() {
         let salt = si as u64 * 101;
         let inputs: Vec<Vec<bf16>> = (0..w).map(|k| random_vec(seed, k, salt, n)).collect();
         let bytes = n * 2;
