@@ -16,7 +16,9 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use anyhow::{Context as _, bail};
+use anyhow::Context as _;
+
+use crate::gpu_box;
 
 const HELP: &str = "\
 usage: cargo xtask bench [--out FILE] [--crossover] [--min BYTES] [--max BYTES]
@@ -64,15 +66,15 @@ pub fn run(args: &[String]) -> anyhow::Result<i32> {
         }
     }
     if let Some(dir) = bundle {
-        let exe = build()?;
-        write_bundle(&exe, &dir)?;
+        let exe = gpu_box::build_release_bin("metrale-benches", "gpu-bench")?;
+        gpu_box::write_bundle(&exe, &dir, "gpu-bench", RUN_SH, README)?;
         println!(
             "bench: bundle written to {} (copy it to a GPU box and run ./run.sh)",
             dir.display()
         );
         return Ok(0);
     }
-    match detect_gpus() {
+    match gpu_box::detect_gpus() {
         Ok(n) => println!("bench: {n} GPU(s) found"),
         Err(line) => {
             println!(
@@ -81,7 +83,7 @@ pub fn run(args: &[String]) -> anyhow::Result<i32> {
             return Ok(2);
         }
     }
-    let exe = build()?;
+    let exe = gpu_box::build_release_bin("metrale-benches", "gpu-bench")?;
     let status = Command::new(&exe)
         .args(&pass)
         .status()
@@ -98,60 +100,6 @@ fn absolute(p: &str) -> anyhow::Result<String> {
         std::env::current_dir()?.join(p)
     };
     Ok(abs.to_string_lossy().into_owned())
-}
-
-/// The number of GPUs, or the reason there are none, as one line.
-fn detect_gpus() -> Result<usize, String> {
-    let lib = cuda_sys::cuda().map_err(|e| format!("no CUDA driver found ({e})"))?;
-    // SAFETY: cuInit takes a flags integer and touches no caller memory.
-    let rc = unsafe { cuda_sys::call!(lib, cuInit(0)) }.map_err(|e| e.to_string())?;
-    if rc != cuda_sys::CUresult::CUDA_SUCCESS {
-        return Err(format!(
-            "the CUDA driver at {} failed to initialise (CUresult {})",
-            lib.path(),
-            rc.0
-        ));
-    }
-    let mut count: std::os::raw::c_int = 0;
-    // SAFETY: `count` is a live, writable c_int for the duration of the call.
-    let rc =
-        unsafe { cuda_sys::call!(lib, cuDeviceGetCount(&mut count)) }.map_err(|e| e.to_string())?;
-    if rc != cuda_sys::CUresult::CUDA_SUCCESS {
-        return Err(format!("cuDeviceGetCount failed (CUresult {})", rc.0));
-    }
-    if count <= 0 {
-        return Err(format!("the CUDA driver at {} sees no GPU", lib.path()));
-    }
-    Ok(count as usize)
-}
-
-/// Builds `gpu-bench` in release mode and returns the binary's path.
-fn build() -> anyhow::Result<PathBuf> {
-    let root = crate::workspace_root();
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = Command::new(cargo)
-        .current_dir(&root)
-        .args([
-            "build",
-            "--release",
-            "-p",
-            "metrale-benches",
-            "--bin",
-            "gpu-bench",
-        ])
-        .status()
-        .context("running cargo build")?;
-    if !status.success() {
-        bail!("cargo build --release -p metrale-benches --bin gpu-bench failed");
-    }
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target"));
-    let exe = target.join("release").join("gpu-bench");
-    if !exe.is_file() {
-        bail!("{} was not built", exe.display());
-    }
-    Ok(exe)
 }
 
 const RUN_SH: &str = r#"#!/usr/bin/env bash
@@ -177,17 +125,3 @@ It prints markdown tables: our CommBackend next to raw NCCL in the same run,
 time per operation and nccl-tests' algbw/busbw. With fewer than 2 GPUs it
 says so and exits 0. No Rust toolchain is needed.
 ";
-
-/// Writes the bundle directory.
-fn write_bundle(exe: &Path, dir: &Path) -> anyhow::Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let bin = dir.join("gpu-bench");
-    std::fs::copy(exe, &bin).with_context(|| format!("copying to {}", bin.display()))?;
-    let sh = dir.join("run.sh");
-    std::fs::write(&sh, RUN_SH)?;
-    std::fs::set_permissions(&sh, std::fs::Permissions::from_mode(0o755))?;
-    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755))?;
-    std::fs::write(dir.join("README.txt"), README)?;
-    Ok(())
-}

@@ -96,33 +96,17 @@ const CUDA_TYPES: &[&str] = &[
 
 /// Runs the subcommand.
 pub fn run(args: &[String]) -> Result<i32> {
-    let check = match args {
-        [] => false,
-        [flag] if flag == "--check" => true,
-        _ => bail!("usage: cargo xtask bindgen [--check]"),
-    };
+    let check = crate::check_flag(args, "cargo xtask bindgen [--check]")?;
     let root = workspace_root();
     let headers = fetch_headers(&root)?;
     let outputs = [
-        (
-            root.join("crates/cuda-sys/src/bindings.rs"),
-            generate_cuda(&headers)?,
-        ),
-        (
-            root.join("crates/nccl-sys/src/bindings.rs"),
-            generate_nccl(&headers)?,
-        ),
+        ("crates/cuda-sys/src/bindings.rs", generate_cuda(&headers)?),
+        ("crates/nccl-sys/src/bindings.rs", generate_nccl(&headers)?),
     ];
     let mut stale = Vec::new();
-    for (path, text) in &outputs {
-        let current = std::fs::read_to_string(path).unwrap_or_default();
-        if current == *text {
-            println!("xtask bindgen: {} is up to date", rel(&root, path));
-        } else if check {
-            stale.push(rel(&root, path));
-        } else {
-            std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
-            println!("xtask bindgen: wrote {}", rel(&root, path));
+    for (rel, text) in &outputs {
+        if crate::update_generated("bindgen", &root, rel, text, check)? && check {
+            stale.push(*rel);
         }
     }
     if !stale.is_empty() {
@@ -134,13 +118,6 @@ pub fn run(args: &[String]) -> Result<i32> {
         return Ok(1);
     }
     Ok(0)
-}
-
-fn rel(root: &Path, path: &Path) -> String {
-    path.strip_prefix(root)
-        .unwrap_or(path)
-        .display()
-        .to_string()
 }
 
 /// Where the unpacked headers live.

@@ -10,10 +10,12 @@
 //! Invariant: the NCCL environment is passed through as given; nothing here
 //! sets or alters `NCCL_NVLS_ENABLE`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
-use anyhow::{Context as _, bail};
+use anyhow::Context as _;
+
+use crate::gpu_box;
 
 const HELP: &str = "\
 usage: cargo xtask gpu-test [--gpus N] [--modes threads,processes,socket]
@@ -53,15 +55,15 @@ pub fn run(args: &[String]) -> anyhow::Result<i32> {
         }
     }
     if let Some(dir) = bundle {
-        let exe = build()?;
-        write_bundle(&exe, &dir)?;
+        let exe = gpu_box::build_release_bin("comm-suite", "comm-suite")?;
+        gpu_box::write_bundle(&exe, &dir, "comm-suite", RUN_SH, README)?;
         println!(
             "gpu-test: bundle written to {} (copy it to a GPU box and run ./run.sh)",
             dir.display()
         );
         return Ok(0);
     }
-    match detect_gpus() {
+    match gpu_box::detect_gpus() {
         Ok(n) => println!("gpu-test: {n} GPU(s) found"),
         Err(line) => {
             println!(
@@ -70,67 +72,13 @@ pub fn run(args: &[String]) -> anyhow::Result<i32> {
             return Ok(2);
         }
     }
-    let exe = build()?;
+    let exe = gpu_box::build_release_bin("comm-suite", "comm-suite")?;
     let status = Command::new(&exe)
         .arg("run")
         .args(&pass)
         .status()
         .with_context(|| format!("running {}", exe.display()))?;
     Ok(status.code().unwrap_or(1))
-}
-
-/// The number of GPUs, or the reason there are none, as one line.
-fn detect_gpus() -> Result<usize, String> {
-    let lib = cuda_sys::cuda().map_err(|e| format!("no CUDA driver found ({e})"))?;
-    // SAFETY: cuInit takes a flags integer and touches no caller memory.
-    let rc = unsafe { cuda_sys::call!(lib, cuInit(0)) }.map_err(|e| e.to_string())?;
-    if rc != cuda_sys::CUresult::CUDA_SUCCESS {
-        return Err(format!(
-            "the CUDA driver at {} failed to initialise (CUresult {})",
-            lib.path(),
-            rc.0
-        ));
-    }
-    let mut count: std::os::raw::c_int = 0;
-    // SAFETY: `count` is a live, writable c_int for the duration of the call.
-    let rc =
-        unsafe { cuda_sys::call!(lib, cuDeviceGetCount(&mut count)) }.map_err(|e| e.to_string())?;
-    if rc != cuda_sys::CUresult::CUDA_SUCCESS {
-        return Err(format!("cuDeviceGetCount failed (CUresult {})", rc.0));
-    }
-    if count <= 0 {
-        return Err(format!("the CUDA driver at {} sees no GPU", lib.path()));
-    }
-    Ok(count as usize)
-}
-
-/// Builds the suite in release mode and returns the binary's path.
-fn build() -> anyhow::Result<PathBuf> {
-    let root = crate::workspace_root();
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = Command::new(cargo)
-        .current_dir(&root)
-        .args([
-            "build",
-            "--release",
-            "-p",
-            "comm-suite",
-            "--bin",
-            "comm-suite",
-        ])
-        .status()
-        .context("running cargo build")?;
-    if !status.success() {
-        bail!("cargo build --release -p comm-suite failed");
-    }
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root.join("target"));
-    let exe = target.join("release").join("comm-suite");
-    if !exe.is_file() {
-        bail!("{} was not built", exe.display());
-    }
-    Ok(exe)
 }
 
 const RUN_SH: &str = r#"#!/usr/bin/env bash
@@ -157,17 +105,3 @@ It prints one line per scenario as it finishes, then a table
 failure. On a hang it kills the ranks, says where each rank was and prints
 the flight-recorder analysis. No Rust toolchain is needed.
 ";
-
-/// Writes the bundle directory.
-fn write_bundle(exe: &Path, dir: &Path) -> anyhow::Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let bin = dir.join("comm-suite");
-    std::fs::copy(exe, &bin).with_context(|| format!("copying to {}", bin.display()))?;
-    let sh = dir.join("run.sh");
-    std::fs::write(&sh, RUN_SH)?;
-    std::fs::set_permissions(&sh, std::fs::Permissions::from_mode(0o755))?;
-    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755))?;
-    std::fs::write(dir.join("README.txt"), README)?;
-    Ok(())
-}

@@ -4,11 +4,12 @@
 mod bench;
 mod bindgen_cmd;
 mod diagnose;
+mod gpu_box;
 mod gpu_test;
 mod probe;
 mod ptx;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 const USAGE: &str = "\
 usage: cargo xtask <command> [options]
@@ -66,4 +67,36 @@ pub fn workspace_root() -> PathBuf {
         .parent()
         .expect("xtask lives one level below the workspace root")
         .to_path_buf()
+}
+
+/// Parses the `[--check]` argument of a generator subcommand.
+pub fn check_flag(args: &[String], usage: &str) -> anyhow::Result<bool> {
+    match args {
+        [] => Ok(false),
+        [flag] if flag == "--check" => Ok(true),
+        _ => anyhow::bail!("usage: {usage}"),
+    }
+}
+
+/// Writes a generated file, `root/rel`, unless it already holds `text`; with
+/// `check`, writes nothing. Returns whether the file was stale.
+pub fn update_generated(
+    tool: &str,
+    root: &Path,
+    rel: &str,
+    text: &str,
+    check: bool,
+) -> anyhow::Result<bool> {
+    let path = root.join(rel);
+    let current = std::fs::read_to_string(&path).unwrap_or_default();
+    if current == text {
+        println!("xtask {tool}: {rel} is up to date");
+        return Ok(false);
+    }
+    if !check {
+        std::fs::write(&path, text)
+            .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+        println!("xtask {tool}: wrote {rel}");
+    }
+    Ok(true)
 }

@@ -54,11 +54,7 @@ const KERNELS: &[(&str, &str)] = &[(
 
 /// Runs the subcommand.
 pub fn run(args: &[String]) -> Result<i32> {
-    let check = match args {
-        [] => false,
-        [flag] if flag == "--check" => true,
-        _ => bail!("usage: cargo xtask ptx [--check]"),
-    };
+    let check = crate::check_flag(args, "cargo xtask ptx [--check]")?;
     let root = workspace_root();
     let nvcc = find_nvcc(&root)?;
     println!("xtask ptx: using {}", nvcc.display());
@@ -67,15 +63,8 @@ pub fn run(args: &[String]) -> Result<i32> {
     let mut stale = Vec::new();
     for (src, dst) in KERNELS {
         let text = compile(&nvcc, &root.join(src), &out_dir)?;
-        let path = root.join(dst);
-        let current = std::fs::read_to_string(&path).unwrap_or_default();
-        if current == text {
-            println!("xtask ptx: {dst} is up to date");
-        } else if check {
+        if crate::update_generated("ptx", &root, dst, &text, check)? && check {
             stale.push(*dst);
-        } else {
-            std::fs::write(&path, &text).with_context(|| format!("writing {}", path.display()))?;
-            println!("xtask ptx: wrote {dst}");
         }
     }
     if !stale.is_empty() {

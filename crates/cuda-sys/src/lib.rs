@@ -117,9 +117,11 @@ pub fn cuda() -> Result<&'static Cuda, LoadError> {
     .map_err(Clone::clone)
 }
 
-/// Calls a driver function through an opened [`Cuda`] (or anything that
-/// dereferences to [`CudaLib`]), giving `Ok(CUresult)`, or
-/// `Err(LoadError::MissingSymbol)` when the driver lacks the symbol.
+/// Calls a function through an opened library: `lib.$name` must be the
+/// symbol's `Result<fn, _>` field (as in [`CudaLib`] and nccl-sys's
+/// `NcclLib`, reached through [`Cuda`] or `Nccl`) and `lib.missing(name)`
+/// its error. Gives `Ok(return code)`, or `Err(LoadError::MissingSymbol)`
+/// when the library lacks the symbol. nccl-sys re-exports it.
 ///
 /// Expands to a call of a raw function pointer: use it inside `unsafe`.
 #[macro_export]

@@ -28,6 +28,7 @@ pub mod kernels;
 pub mod local_backend;
 pub mod nccl_backend;
 pub mod rendezvous;
+mod validate;
 
 pub use backend::CommBackend;
 pub use config::{BackendConfig, FastPathPolicy};

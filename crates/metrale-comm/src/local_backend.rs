@@ -16,7 +16,7 @@ use parking_lot::Mutex;
 
 use crate::backend::{CommBackend, Result};
 use crate::error::CommError;
-use crate::nccl_backend::{check_buffer, check_rank};
+use crate::validate::{check_alloc, check_buffer, check_function, check_rank, check_register};
 
 /// A one-rank backend (see the module docs).
 pub struct LocalBackend {
@@ -113,13 +113,7 @@ impl CommBackend for LocalBackend {
 
     unsafe fn register_buffer(&self, ptr: u64, bytes: usize) -> Result<u64> {
         const OP: &str = "register_buffer";
-        check_buffer(OP, "buffer", ptr, bytes, 1)?;
-        if bytes == 0 {
-            return Err(CommError::InvalidArgument {
-                op: OP,
-                reason: "cannot register an empty buffer".into(),
-            });
-        }
+        check_register(OP, ptr, bytes)?;
         self.check(OP)?;
         let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
         self.registered.lock().insert(handle, (ptr, bytes));
@@ -137,12 +131,7 @@ impl CommBackend for LocalBackend {
 
     fn symmetric_alloc(&self, bytes: usize) -> Result<u64> {
         const OP: &str = "symmetric_alloc";
-        if bytes == 0 {
-            return Err(CommError::InvalidArgument {
-                op: OP,
-                reason: "cannot allocate 0 bytes".into(),
-            });
-        }
+        check_alloc(OP, bytes)?;
         self.check(OP)?;
         let buf = DeviceBuffer::<u8>::alloc(&self.ctx, bytes)
             .map_err(|source| CommError::Refused { op: OP, source })?;
@@ -164,12 +153,7 @@ impl CommBackend for LocalBackend {
     }
 
     unsafe fn set_add_kernel(&self, function: u64) -> Result<()> {
-        if function == 0 {
-            return Err(CommError::InvalidArgument {
-                op: "set_add_kernel",
-                reason: "null CUfunction".into(),
-            });
-        }
+        check_function("set_add_kernel", function)?;
         self.check("set_add_kernel")
     }
 

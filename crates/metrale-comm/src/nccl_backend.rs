@@ -38,6 +38,7 @@ use crate::error::{CommError, Failure, FailureKind};
 use crate::health::Health;
 use crate::kernels;
 use crate::rendezvous::{EnvConfig, FixedIdRendezvous, Rendezvous, TcpRendezvous};
+use crate::validate::{check_alloc, check_buffer, check_function, check_rank, check_register};
 
 /// Which algorithm an all-reduce takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -147,45 +148,6 @@ fn setup(stage: &'static str) -> impl FnOnce(nccl_safe::Error) -> CommError {
         stage,
         message: e.to_string(),
     }
-}
-
-/// Checks a buffer argument: whole elements, non-null, aligned.
-pub(crate) fn check_buffer(
-    op: &'static str,
-    what: &str,
-    ptr: u64,
-    bytes: usize,
-    elem: usize,
-) -> Result<()> {
-    if !bytes.is_multiple_of(elem) {
-        return Err(CommError::InvalidArgument {
-            op,
-            reason: format!("{what}: {bytes} bytes is not a whole number of {elem}-byte elements"),
-        });
-    }
-    if bytes > 0 && ptr == 0 {
-        return Err(CommError::InvalidArgument {
-            op,
-            reason: format!("{what}: null device address"),
-        });
-    }
-    if !ptr.is_multiple_of(elem as u64) {
-        return Err(CommError::InvalidArgument {
-            op,
-            reason: format!("{what}: address {ptr:#x} is not aligned to {elem} bytes"),
-        });
-    }
-    Ok(())
-}
-
-pub(crate) fn check_rank(op: &'static str, what: &str, r: usize, world_size: usize) -> Result<()> {
-    if r >= world_size {
-        return Err(CommError::InvalidArgument {
-            op,
-            reason: format!("{what} {r} is out of range for {world_size} ranks"),
-        });
-    }
-    Ok(())
 }
 
 /// Errors NCCL or the driver return for the call's own arguments, before
@@ -895,7 +857,6 @@ unsafe fn launch_add(
     n: u64,
     stream: cuda_sys::CUstream,
 ) -> nccl_safe::Result<()> {
-    ctx.make_current()?;
     let (grid, block) = kernels::launch_config(n);
     let (mut dst, mut src, mut n) = (dst, src, n);
     let mut params = [
@@ -903,28 +864,9 @@ unsafe fn launch_add(
         (&mut src as *mut u64).cast::<c_void>(),
         (&mut n as *mut u64).cast::<c_void>(),
     ];
-    let cuda = cuda_sys::cuda()?;
-    // SAFETY: the parameters match the kernel's signature (this function's
-    // contract) and outlive the call, which copies them.
-    let rc = unsafe {
-        cuda_sys::call!(
-            cuda,
-            cuLaunchKernel(
-                kernel,
-                grid.0,
-                grid.1,
-                grid.2,
-                block.0,
-                block.1,
-                block.2,
-                0,
-                stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut()
-            )
-        )
-    }?;
-    nccl_safe::cuda_check(rc, "cuLaunchKernel(bf16_add_inplace)")
+    // SAFETY: the parameters match the kernel's signature and live through
+    // the call, which copies them; the rest is this function's contract.
+    unsafe { nccl_safe::launch_raw(ctx, kernel, grid, block, 0, stream, &mut params) }
 }
 
 /// Which stream a submission runs on.
@@ -1027,13 +969,7 @@ impl CommBackend for NcclBackend {
 
     unsafe fn register_buffer(&self, ptr: u64, bytes: usize) -> Result<u64> {
         const OP: &str = "register_buffer";
-        check_buffer(OP, "buffer", ptr, bytes, 1)?;
-        if bytes == 0 {
-            return Err(CommError::InvalidArgument {
-                op: OP,
-                reason: "cannot register an empty buffer".into(),
-            });
-        }
+        check_register(OP, ptr, bytes)?;
         self.inner.check_usable(OP)?;
         let mut slot = self.inner.slot.lock();
         let comm = slot.comm.as_ref().ok_or(CommError::Shutdown { op: OP })?;
@@ -1062,12 +998,7 @@ impl CommBackend for NcclBackend {
 
     fn symmetric_alloc(&self, bytes: usize) -> Result<u64> {
         const OP: &str = "symmetric_alloc";
-        if bytes == 0 {
-            return Err(CommError::InvalidArgument {
-                op: OP,
-                reason: "cannot allocate 0 bytes".into(),
-            });
-        }
+        check_alloc(OP, bytes)?;
         self.inner.check_usable(OP)?;
         let buf = SymmetricBuffer::alloc(&self.inner.ctx, bytes)
             .map_err(|source| CommError::Refused { op: OP, source })?;
@@ -1098,12 +1029,7 @@ impl CommBackend for NcclBackend {
 
     unsafe fn set_add_kernel(&self, function: u64) -> Result<()> {
         const OP: &str = "set_add_kernel";
-        if function == 0 {
-            return Err(CommError::InvalidArgument {
-                op: OP,
-                reason: "null CUfunction".into(),
-            });
-        }
+        check_function(OP, function)?;
         self.inner.check_usable(OP)?;
         self.inner.slot.lock().kernel = AddKernel::External(function);
         tracing::info!(

@@ -131,28 +131,61 @@ impl Function {
         stream: CUstream,
         params: &mut [*mut c_void],
     ) -> Result<()> {
-        self.module.ctx.make_current()?;
-        let args = if params.is_empty() {
-            std::ptr::null_mut()
-        } else {
-            params.as_mut_ptr()
-        };
-        // SAFETY: the function is live, the parameters and stream satisfy
-        // this function's contract, and the context is current.
+        // SAFETY: the function is live (the module is held) and of this
+        // context; the rest is this function's contract.
         unsafe {
-            cu!(cuLaunchKernel(
+            launch_raw(
+                &self.module.ctx,
                 self.raw,
-                grid.0,
-                grid.1,
-                grid.2,
-                block.0,
-                block.1,
-                block.2,
+                grid,
+                block,
                 shared_mem,
                 stream,
-                args,
-                std::ptr::null_mut(),
-            ))
+                params,
+            )
         }
+    }
+}
+
+/// Launches a kernel given as a raw `CUfunction` (one the caller loaded
+/// itself), with `ctx` made current first.
+///
+/// # Safety
+/// `function` is a live `CUfunction` of `ctx`; `params` holds one pointer
+/// per kernel parameter, in order, each pointing to a value of the
+/// parameter's type that stays valid for the call; device pointers among them
+/// are valid for what the kernel does until the work completes; `stream` is a
+/// live stream of `ctx` (or null).
+pub unsafe fn launch_raw(
+    ctx: &Context,
+    function: CUfunction,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    shared_mem: u32,
+    stream: CUstream,
+    params: &mut [*mut c_void],
+) -> Result<()> {
+    ctx.make_current()?;
+    let args = if params.is_empty() {
+        std::ptr::null_mut()
+    } else {
+        params.as_mut_ptr()
+    };
+    // SAFETY: the function, parameters and stream satisfy this function's
+    // contract, and the context is current.
+    unsafe {
+        cu!(cuLaunchKernel(
+            function,
+            grid.0,
+            grid.1,
+            grid.2,
+            block.0,
+            block.1,
+            block.2,
+            shared_mem,
+            stream,
+            args,
+            std::ptr::null_mut(),
+        ))
     }
 }

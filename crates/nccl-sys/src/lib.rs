@@ -165,22 +165,12 @@ pub fn nccl() -> Result<&'static Nccl, LoadError> {
 }
 
 /// Calls an NCCL function through an opened [`Nccl`], giving
-/// `Ok(ncclResult_t)`, or `Err(LoadError::MissingSymbol)` when this NCCL lacks
-/// the symbol.
+/// `Ok(ncclResult_t)`, or `Err(LoadError::MissingSymbol)` (naming the NCCL
+/// version that added the symbol) when this NCCL lacks it. The same macro as
+/// `cuda_sys::call!`: it needs only the field and [`Nccl::missing`].
 ///
 /// Expands to a call of a raw function pointer: use it inside `unsafe`.
-#[macro_export]
-macro_rules! call {
-    ($lib:expr, $name:ident ( $($arg:expr),* $(,)? )) => {{
-        let lib = $lib;
-        match &lib.$name {
-            ::std::result::Result::Ok(f) => ::std::result::Result::Ok(f($($arg),*)),
-            ::std::result::Result::Err(_) => {
-                ::std::result::Result::Err(lib.missing(::std::stringify!($name)))
-            }
-        }
-    }};
-}
+pub use cuda_sys::call;
 
 #[cfg(test)]
 mod tests {

@@ -15,8 +15,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::{
-    BarrierCounters, ID_LEN, Rendezvous, RendezvousError, check_rank, deadline_after, decode_uid,
-    encode_uid, uid_key,
+    BarrierCounters, ID_LEN, Rendezvous, RendezvousError, check_rank, deadline_after,
+    exchange_id_via,
 };
 
 const POLL: Duration = Duration::from_millis(2);
@@ -125,13 +125,13 @@ impl Rendezvous for FileRendezvous {
         make: &mut dyn FnMut() -> Result<[u8; ID_LEN], String>,
         timeout: Duration,
     ) -> Result<[u8; ID_LEN], RendezvousError> {
-        let key = uid_key(generation);
-        if self.rank == 0 {
-            let made = make();
-            self.set(&key, &encode_uid(&made))?;
-            return made.map_err(RendezvousError::MakeId);
-        }
-        decode_uid(&self.get(&key, timeout)?)
+        exchange_id_via(
+            self.rank,
+            generation,
+            make,
+            |k, v| self.set(k, v),
+            |k| self.get(k, timeout),
+        )
     }
 
     fn barrier(&self, name: &str, timeout: Duration) -> Result<(), RendezvousError> {

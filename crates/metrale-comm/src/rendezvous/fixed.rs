@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use super::{ID_LEN, Rendezvous, RendezvousError};
+use super::{ID_LEN, Rendezvous, RendezvousError, check_rank};
 
 /// See the module docs.
 #[derive(Clone)]
@@ -30,11 +30,7 @@ impl FixedIdRendezvous {
     /// Rank `rank` of `world_size`, all ranks holding the same `id` (the
     /// bytes of an NCCL unique id that rank 0 created).
     pub fn new(rank: usize, world_size: usize, id: [u8; ID_LEN]) -> Result<Self, RendezvousError> {
-        if world_size == 0 || rank >= world_size {
-            return Err(RendezvousError::BadSpec(format!(
-                "rank {rank} is out of range for world size {world_size}"
-            )));
-        }
+        check_rank(rank, world_size)?;
         Ok(Self {
             rank,
             world_size,

@@ -117,6 +117,25 @@ pub(crate) fn deadline_after(timeout: Duration) -> Instant {
         .unwrap_or(now)
 }
 
+/// `Rendezvous::exchange_id` over a key-value store: rank 0 publishes the id
+/// it makes (or why it could not) under the generation's key; the others
+/// wait for that key.
+pub(crate) fn exchange_id_via(
+    rank: usize,
+    generation: u64,
+    make: &mut dyn FnMut() -> Result<[u8; ID_LEN], String>,
+    set: impl FnOnce(&str, &[u8]) -> Result<(), RendezvousError>,
+    get: impl FnOnce(&str) -> Result<Vec<u8>, RendezvousError>,
+) -> Result<[u8; ID_LEN], RendezvousError> {
+    let key = uid_key(generation);
+    if rank == 0 {
+        let made = make();
+        set(&key, &encode_uid(&made))?;
+        return made.map_err(RendezvousError::MakeId);
+    }
+    decode_uid(&get(&key)?)
+}
+
 /// The key of generation `generation`'s unique id.
 pub(crate) fn uid_key(generation: u64) -> String {
     format!("metrale/uid/{generation}")

@@ -12,10 +12,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use super::store::{StoreClient, StoreServer};
-use super::{
-    BarrierCounters, ID_LEN, Rendezvous, RendezvousError, check_rank, decode_uid, encode_uid,
-    uid_key,
-};
+use super::{BarrierCounters, ID_LEN, Rendezvous, RendezvousError, check_rank, exchange_id_via};
 
 /// Rank agreement over a [`StoreServer`] hosted by rank 0.
 #[derive(Debug)]
@@ -88,13 +85,13 @@ impl Rendezvous for TcpRendezvous {
         make: &mut dyn FnMut() -> Result<[u8; ID_LEN], String>,
         timeout: Duration,
     ) -> Result<[u8; ID_LEN], RendezvousError> {
-        let key = uid_key(generation);
-        if self.rank == 0 {
-            let made = make();
-            self.client.set(&key, &encode_uid(&made))?;
-            return made.map_err(RendezvousError::MakeId);
-        }
-        decode_uid(&self.client.get(&key, timeout)?)
+        exchange_id_via(
+            self.rank,
+            generation,
+            make,
+            |k, v| self.client.set(k, v),
+            |k| self.client.get(k, timeout),
+        )
     }
 
     fn barrier(&self, name: &str, timeout: Duration) -> Result<(), RendezvousError> {

@@ -1,0 +1,77 @@
+//! What `gpu-test` and `bench` share: finding the GPUs through the driver,
+//! building a release binary, and writing a bundle for a box without Rust.
+//!
+//! Invariant: nothing here parses `nvidia-smi`; a machine without a driver
+//! or GPUs gives one line saying what is missing.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context as _, bail};
+
+/// The number of GPUs, or the reason there are none, as one line.
+pub fn detect_gpus() -> Result<usize, String> {
+    let lib = cuda_sys::cuda().map_err(|e| format!("no CUDA driver found ({e})"))?;
+    // SAFETY: cuInit takes a flags integer and touches no caller memory.
+    let rc = unsafe { cuda_sys::call!(lib, cuInit(0)) }.map_err(|e| e.to_string())?;
+    if rc != cuda_sys::CUresult::CUDA_SUCCESS {
+        return Err(format!(
+            "the CUDA driver at {} failed to initialise (CUresult {})",
+            lib.path(),
+            rc.0
+        ));
+    }
+    let mut count: std::os::raw::c_int = 0;
+    // SAFETY: `count` is a live, writable c_int for the duration of the call.
+    let rc =
+        unsafe { cuda_sys::call!(lib, cuDeviceGetCount(&mut count)) }.map_err(|e| e.to_string())?;
+    if rc != cuda_sys::CUresult::CUDA_SUCCESS {
+        return Err(format!("cuDeviceGetCount failed (CUresult {})", rc.0));
+    }
+    if count <= 0 {
+        return Err(format!("the CUDA driver at {} sees no GPU", lib.path()));
+    }
+    Ok(count as usize)
+}
+
+/// Builds `package`'s binary `bin` in release mode and returns its path.
+pub fn build_release_bin(package: &str, bin: &str) -> anyhow::Result<PathBuf> {
+    let root = crate::workspace_root();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = Command::new(cargo)
+        .current_dir(&root)
+        .args(["build", "--release", "-p", package, "--bin", bin])
+        .status()
+        .context("running cargo build")?;
+    if !status.success() {
+        bail!("cargo build --release -p {package} --bin {bin} failed");
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target"));
+    let exe = target.join("release").join(bin);
+    if !exe.is_file() {
+        bail!("{} was not built", exe.display());
+    }
+    Ok(exe)
+}
+
+/// Writes a bundle: the binary as `dir/name`, `run.sh` and `README.txt`.
+pub fn write_bundle(
+    exe: &Path,
+    dir: &Path,
+    name: &str,
+    run_sh: &str,
+    readme: &str,
+) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let bin = dir.join(name);
+    std::fs::copy(exe, &bin).with_context(|| format!("copying to {}", bin.display()))?;
+    let sh = dir.join("run.sh");
+    std::fs::write(&sh, run_sh)?;
+    std::fs::set_permissions(&sh, std::fs::Permissions::from_mode(0o755))?;
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755))?;
+    std::fs::write(dir.join("README.txt"), readme)?;
+    Ok(())
+}
