@@ -200,7 +200,7 @@ impl NcclBackend {
             )));
         }
         let ctx = Context::new(config.device).map_err(setup("CUDA context"))?;
-        let slot = Slot::new(&ctx, None)?;
+        let slot = Slot::new(&ctx)?;
         let inner = Arc::new(Inner {
             rank,
             world_size,
@@ -275,7 +275,8 @@ impl NcclBackend {
     }
 
     /// The backend's own stream, where `all_reduce`, `all_gather`,
-    /// `reduce_scatter`, `broadcast` and `barrier` run.
+    /// `reduce_scatter`, `broadcast` and `barrier` run. It lives as long as
+    /// the backend (reconnects keep it).
     pub fn stream(&self) -> u64 {
         self.inner.slot.lock().stream.raw() as u64
     }
@@ -319,18 +320,15 @@ fn resolve(host: &str, port: u16) -> Result<std::net::SocketAddr> {
 }
 
 impl Slot {
-    fn new(ctx: &Arc<Context>, kernel: Option<AddKernel>) -> Result<Slot> {
-        let kernel = match kernel {
-            Some(k) => k,
-            None => match Module::load_ptx(ctx, kernels::BF16_ADD_PTX)
-                .and_then(|m| m.function(kernels::BF16_ADD_NAME))
-            {
-                Ok(f) => AddKernel::Bundled(f),
-                Err(e) => {
-                    tracing::warn!("bundled bf16 add kernel unavailable, fast path off: {e}");
-                    AddKernel::None
-                }
-            },
+    fn new(ctx: &Arc<Context>) -> Result<Slot> {
+        let kernel = match Module::load_ptx(ctx, kernels::BF16_ADD_PTX)
+            .and_then(|m| m.function(kernels::BF16_ADD_NAME))
+        {
+            Ok(f) => AddKernel::Bundled(f),
+            Err(e) => {
+                tracing::warn!("bundled bf16 add kernel unavailable, fast path off: {e}");
+                AddKernel::None
+            }
         };
         Ok(Slot {
             comm: None,
@@ -1347,11 +1345,10 @@ impl CommBackend for NcclBackend {
             slot.registered.clear();
         }
         let next = inner.generation.load(Ordering::Acquire) + 1;
-        // Fresh streams and events: the old ones may hold aborted work.
-        let kernel = std::mem::replace(&mut slot.kernel, AddKernel::None);
-        let mut fresh = Slot::new(&inner.ctx, Some(kernel))?;
-        fresh.symmetric = std::mem::take(&mut slot.symmetric);
-        *slot = fresh;
+        // The streams, events, scratch and kernel stay: the abort ended the
+        // old communicator's kernels, and an engine may hold `stream()`.
+        slot.group_joins.clear();
+        slot.group_watch.clear();
         inner.group_depth.store(0, Ordering::Release);
         inner.watched.lock().clear();
         inner.event_pool.lock().clear();

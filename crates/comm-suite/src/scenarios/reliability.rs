@@ -616,9 +616,14 @@ pub fn reconnect_cycles_gpu(ctx: &RankCtx) -> anyhow::Result<()> {
         ctx.barrier(&format!("gpu poisoned {cycle}"))?;
         ctx.step(format!("cycle {cycle}: attempt_reconnect"));
         let generation = b.generation();
+        let stream = b.stream();
         b.attempt_reconnect()
             .with_context(|| format!("cycle {cycle}: attempt_reconnect"))?;
         ensure!(b.is_healthy(), "cycle {cycle}: unhealthy after reconnect");
+        ensure!(
+            b.stream() == stream,
+            "cycle {cycle}: the backend's stream changed across the reconnect"
+        );
         ensure!(
             b.generation() == generation + 1,
             "cycle {cycle}: generation went from {generation} to {}",
