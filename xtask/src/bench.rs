@@ -14,7 +14,6 @@
 //! sets or alters `NCCL_*` variables.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use anyhow::Context as _;
 
@@ -65,30 +64,16 @@ pub fn run(args: &[String]) -> anyhow::Result<i32> {
             }
         }
     }
-    if let Some(dir) = bundle {
-        let exe = gpu_box::build_release_bin("metrale-benches", "gpu-bench")?;
-        gpu_box::write_bundle(&exe, &dir, "gpu-bench", RUN_SH, README)?;
-        println!(
-            "bench: bundle written to {} (copy it to a GPU box and run ./run.sh)",
-            dir.display()
-        );
-        return Ok(0);
+    gpu_box::GpuProgram {
+        tool: "bench",
+        package: "metrale-benches",
+        bin: "gpu-bench",
+        leading_args: &[],
+        no_gpu_hint: "the GPU benchmarks need 2 GPUs (CPU benchmarks: cargo bench -p metrale-benches --bench cpu)",
+        run_sh: RUN_SH,
+        readme: README,
     }
-    match gpu_box::detect_gpus() {
-        Ok(n) => println!("bench: {n} GPU(s) found"),
-        Err(line) => {
-            println!(
-                "bench: {line}; the GPU benchmarks need 2 GPUs (CPU benchmarks: cargo bench -p metrale-benches --bench cpu)"
-            );
-            return Ok(2);
-        }
-    }
-    let exe = gpu_box::build_release_bin("metrale-benches", "gpu-bench")?;
-    let status = Command::new(&exe)
-        .args(&pass)
-        .status()
-        .with_context(|| format!("running {}", exe.display()))?;
-    Ok(status.code().unwrap_or(1))
+    .run(bundle.as_deref(), &pass)
 }
 
 /// `--out` relative to the caller's directory, not the workspace root.

@@ -75,3 +75,54 @@ pub fn write_bundle(
     std::fs::write(dir.join("README.txt"), readme)?;
     Ok(())
 }
+
+/// A release binary that runs on a GPU box: built and run here, or written
+/// into a bundle for a box without Rust.
+pub struct GpuProgram {
+    /// The xtask subcommand's name, for messages.
+    pub tool: &'static str,
+    /// The cargo package and binary.
+    pub package: &'static str,
+    /// The binary's name.
+    pub bin: &'static str,
+    /// Arguments before the passed-through ones.
+    pub leading_args: &'static [&'static str],
+    /// What to say, after the reason, when there are no GPUs.
+    pub no_gpu_hint: &'static str,
+    /// The bundle's `run.sh` and `README.txt`.
+    pub run_sh: &'static str,
+    /// See `run_sh`.
+    pub readme: &'static str,
+}
+
+impl GpuProgram {
+    /// Writes the bundle into `bundle` when given; else, on a machine with
+    /// GPUs, builds and runs the binary with `pass` and returns its exit
+    /// code; without GPUs, prints one line and returns 2.
+    pub fn run(&self, bundle: Option<&Path>, pass: &[String]) -> anyhow::Result<i32> {
+        let tool = self.tool;
+        if let Some(dir) = bundle {
+            let exe = build_release_bin(self.package, self.bin)?;
+            write_bundle(&exe, dir, self.bin, self.run_sh, self.readme)?;
+            println!(
+                "{tool}: bundle written to {} (copy it to a GPU box and run ./run.sh)",
+                dir.display()
+            );
+            return Ok(0);
+        }
+        match detect_gpus() {
+            Ok(n) => println!("{tool}: {n} GPU(s) found"),
+            Err(line) => {
+                println!("{tool}: {line}; {}", self.no_gpu_hint);
+                return Ok(2);
+            }
+        }
+        let exe = build_release_bin(self.package, self.bin)?;
+        let status = Command::new(&exe)
+            .args(self.leading_args)
+            .args(pass)
+            .status()
+            .with_context(|| format!("running {}", exe.display()))?;
+        Ok(status.code().unwrap_or(1))
+    }
+}

@@ -11,7 +11,6 @@
 //! sets or alters `NCCL_NVLS_ENABLE`.
 
 use std::path::PathBuf;
-use std::process::Command;
 
 use anyhow::Context as _;
 
@@ -54,31 +53,16 @@ pub fn run(args: &[String]) -> anyhow::Result<i32> {
             }
         }
     }
-    if let Some(dir) = bundle {
-        let exe = gpu_box::build_release_bin("comm-suite", "comm-suite")?;
-        gpu_box::write_bundle(&exe, &dir, "comm-suite", RUN_SH, README)?;
-        println!(
-            "gpu-test: bundle written to {} (copy it to a GPU box and run ./run.sh)",
-            dir.display()
-        );
-        return Ok(0);
+    gpu_box::GpuProgram {
+        tool: "gpu-test",
+        package: "comm-suite",
+        bin: "comm-suite",
+        leading_args: &["run"],
+        no_gpu_hint: "on a machine without GPUs run `cargo test --workspace`, which runs the same suite on the CPU emulator",
+        run_sh: RUN_SH,
+        readme: README,
     }
-    match gpu_box::detect_gpus() {
-        Ok(n) => println!("gpu-test: {n} GPU(s) found"),
-        Err(line) => {
-            println!(
-                "gpu-test: {line}; on a machine without GPUs run `cargo test --workspace`, which runs the same suite on the CPU emulator"
-            );
-            return Ok(2);
-        }
-    }
-    let exe = gpu_box::build_release_bin("comm-suite", "comm-suite")?;
-    let status = Command::new(&exe)
-        .arg("run")
-        .args(&pass)
-        .status()
-        .with_context(|| format!("running {}", exe.display()))?;
-    Ok(status.code().unwrap_or(1))
+    .run(bundle.as_deref(), &pass)
 }
 
 const RUN_SH: &str = r#"#!/usr/bin/env bash

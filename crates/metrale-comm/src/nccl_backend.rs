@@ -349,6 +349,12 @@ impl Slot {
 }
 
 impl Slot {
+    /// The communicator, or `Aborted` for `call` when there is none (after
+    /// shutdown, or a failed reconnect).
+    fn comm(&self, call: &'static str) -> nccl_safe::Result<&Comm> {
+        self.comm.as_ref().ok_or(nccl_safe::Error::Aborted { call })
+    }
+
     /// Whether `[ptr, ptr + bytes)` overlaps a registered buffer or a
     /// symmetric allocation. Such buffers take NCCL's all-reduce, which is
     /// what registration is for: on 2 H200s the fast path's grouped
@@ -777,10 +783,7 @@ impl Inner {
             .kernel
             .raw()
             .ok_or_else(|| nccl_safe::Error::invalid("fast path", "no add kernel"))?;
-        let comm = slot
-            .comm
-            .as_ref()
-            .ok_or(nccl_safe::Error::Aborted { call: "fast path" })?;
+        let comm = slot.comm("fast path")?;
         let peer = 1 - self.rank;
         let cu_stream = stream as cuda_sys::CUstream;
         let mut off = 0usize;
@@ -820,10 +823,7 @@ impl Inner {
         match self.choose_path(slot, Some(ptr), bytes) {
             AllReducePath::FastPath => self.fast_path(slot, ptr, bytes, stream),
             AllReducePath::Nccl => {
-                let comm = slot
-                    .comm
-                    .as_ref()
-                    .ok_or(nccl_safe::Error::Aborted { call: "all_reduce" })?;
+                let comm = slot.comm("all_reduce")?;
                 // SAFETY: `ptr` is valid for `bytes` (trait contract) on this
                 // context; the stream is live.
                 unsafe {
@@ -1058,10 +1058,7 @@ impl CommBackend for NcclBackend {
             None,
             false,
             |slot, s| {
-                let comm = slot
-                    .comm
-                    .as_ref()
-                    .ok_or(nccl_safe::Error::Aborted { call: OP })?;
+                let comm = slot.comm(OP)?;
                 // SAFETY: buffer sizes per the trait contract; stream is ours.
                 unsafe {
                     comm.all_gather_raw(
@@ -1106,10 +1103,7 @@ impl CommBackend for NcclBackend {
             None,
             false,
             |slot, s| {
-                let comm = slot
-                    .comm
-                    .as_ref()
-                    .ok_or(nccl_safe::Error::Aborted { call: OP })?;
+                let comm = slot.comm(OP)?;
                 // SAFETY: buffer sizes per the trait contract; stream is ours.
                 unsafe {
                     comm.reduce_scatter_raw(
@@ -1156,10 +1150,7 @@ impl CommBackend for NcclBackend {
             None,
             false,
             |slot, s| {
-                let comm = slot
-                    .comm
-                    .as_ref()
-                    .ok_or(nccl_safe::Error::Aborted { call: OP })?;
+                let comm = slot.comm(OP)?;
                 let p = slot.barrier_elem.device_ptr();
                 // SAFETY: one f32 of our own buffer; our stream.
                 unsafe {
@@ -1544,10 +1535,7 @@ impl NcclBackend {
             Some(peer),
             false,
             |slot, s| {
-                let comm = slot
-                    .comm
-                    .as_ref()
-                    .ok_or(nccl_safe::Error::Aborted { call: op })?;
+                let comm = slot.comm(op)?;
                 let s = s as cuda_sys::CUstream;
                 // SAFETY: `ptr` valid for `bytes` and `stream` live (contract).
                 unsafe {

@@ -744,6 +744,16 @@ impl Comm {
         Error::invalid(call, detail)
     }
 
+    fn check_same_len(call: &'static str, send: usize, recv: usize) -> Result<()> {
+        if send != recv {
+            return Err(Self::len_mismatch(
+                call,
+                format!("send has {send} elements, recv {recv}"),
+            ));
+        }
+        Ok(())
+    }
+
     // ---- raw collectives ----
 
     /// `ncclAllReduce` on raw device addresses.
@@ -1038,12 +1048,7 @@ impl Comm {
     ) -> Result<()> {
         const CALL: &str = "all_reduce";
         self.check_typed(CALL, &[send, recv], stream)?;
-        if send.len() != recv.len() {
-            return Err(Self::len_mismatch(
-                CALL,
-                format!("send has {} elements, recv {}", send.len(), recv.len()),
-            ));
-        }
+        Self::check_same_len(CALL, send.len(), recv.len())?;
         // SAFETY: both buffers are live device memory of this communicator's
         // context with `len` elements; the stream belongs to the same context.
         unsafe {
@@ -1091,12 +1096,7 @@ impl Comm {
         const CALL: &str = "broadcast";
         self.check_typed(CALL, &[send, recv], stream)?;
         self.check_index(CALL, "root", root)?;
-        if send.len() != recv.len() {
-            return Err(Self::len_mismatch(
-                CALL,
-                format!("send has {} elements, recv {}", send.len(), recv.len()),
-            ));
-        }
+        Self::check_same_len(CALL, send.len(), recv.len())?;
         // SAFETY: as in all_reduce.
         unsafe {
             self.broadcast_raw(
@@ -1145,12 +1145,7 @@ impl Comm {
         const CALL: &str = "reduce";
         self.check_typed(CALL, &[send, recv], stream)?;
         self.check_index(CALL, "root", root)?;
-        if send.len() != recv.len() {
-            return Err(Self::len_mismatch(
-                CALL,
-                format!("send has {} elements, recv {}", send.len(), recv.len()),
-            ));
-        }
+        Self::check_same_len(CALL, send.len(), recv.len())?;
         // SAFETY: as in all_reduce.
         unsafe {
             self.reduce_raw(
