@@ -529,7 +529,26 @@ pub fn bad_inputs(ctx: &RankCtx) -> anyhow::Result<()> {
         exact(ctx),
         w,
     )?;
+    ctx.barrier("bad inputs reduced")?;
     b.shutdown()?;
+    ctx.step("calls after shutdown");
+    ensure!(!b.is_healthy(), "healthy after shutdown");
+    // SAFETY: refused before anything is submitted.
+    let reduced = unsafe { b.all_reduce(buf.device_ptr(), 2000) };
+    let after = [
+        ("all_reduce", reduced),
+        ("barrier", b.barrier()),
+        ("synchronize", b.synchronize()),
+        ("attempt_reconnect", b.attempt_reconnect()),
+        ("symmetric_alloc", b.symmetric_alloc(64).map(|_| ())),
+    ];
+    for (what, res) in after {
+        ensure!(
+            matches!(res, Err(CommError::Shutdown { .. })),
+            "{what} after shutdown: expected Shutdown, got {res:?}"
+        );
+    }
+    b.shutdown().context("a second shutdown")?;
     Ok(())
 }
 
