@@ -92,11 +92,6 @@ struct Slot {
     group_watch: Vec<(u64, &'static str, u64)>,
 }
 
-// SAFETY: `Slot` only holds values that are `Send` except the raw
-// `CUfunction` inside `AddKernel::External` (a `u64`); a CUfunction is a
-// process-wide handle usable from any thread.
-unsafe impl Send for Slot {}
-
 /// A submission the watchdog waits for.
 struct Watched {
     seq: u64,
