@@ -539,6 +539,138 @@ impl Comm {
         }
     }
 
+    /// Turns a non-blocking communicator into a blocking one over the same
+    /// ranks (every rank calls this). A blocking communicator enqueues on
+    /// the calling thread; on a non-blocking one NCCL starts a thread for
+    /// every call, tens of microseconds per eager operation. The price is
+    /// that calls on the blocking communicator have no deadline of their
+    /// own.
+    ///
+    /// Rank 0 draws a fresh unique id and broadcasts it over this
+    /// communicator (which also shows that every rank got here), then every
+    /// rank joins a blocking communicator with it on a helper thread, which
+    /// also connects it (see `connect_now`), and this one is dropped. The whole exchange is bounded by `timeout`: on
+    /// a miss, this communicator is aborted and [`Error::Timeout`] is
+    /// returned. A rank that dies after the broadcast leaves its peers'
+    /// helper threads blocked inside `ncclCommInitRank` until NCCL gives
+    /// up; the callers still get their error at the deadline. A blocking
+    /// communicator is returned as it is.
+    pub fn into_blocking(mut self, timeout: Duration) -> Result<Comm> {
+        const WHAT: &str = "blocking communicator init";
+        if !self.nonblocking {
+            return Ok(self);
+        }
+        let start = std::time::Instant::now();
+        self.set_enqueue_deadline(Some(timeout));
+        let timed_out = |e: Error| match e {
+            Error::Timeout { .. } => Error::Timeout {
+                what: WHAT,
+                after: timeout,
+            },
+            other => other,
+        };
+        let id = match self.share_unique_id(timeout) {
+            Ok(id) => id,
+            Err(e) => {
+                if let Err(abort) = self.abort() {
+                    tracing::warn!(error = %abort, "aborting after a failed id exchange failed");
+                }
+                return Err(timed_out(e));
+            }
+        };
+        let (ctx, nranks, rank) = (Arc::clone(&self.ctx), self.count, self.rank);
+        let (tx, rx) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("nccl-blocking-init".into())
+            .spawn(move || {
+                let comm = Comm::init_rank(&ctx, &id, nranks, rank).and_then(|c| {
+                    c.connect_now()?;
+                    Ok(c)
+                });
+                // A communicator nobody waits for any more is dropped here.
+                if let Err(mpsc::SendError(Ok(late))) = tx.send(comm) {
+                    drop(late);
+                }
+            })
+            .map_err(|e| Error::invalid(WHAT, format!("spawning the init thread: {e}")))?;
+        match rx.recv_timeout(timeout.saturating_sub(start.elapsed())) {
+            Ok(comm) => comm,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if let Err(abort) = self.abort() {
+                    tracing::warn!(error = %abort, "aborting after a blocking init timed out failed");
+                }
+                Err(Error::Timeout {
+                    what: WHAT,
+                    after: timeout,
+                })
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err(Error::invalid(
+                WHAT,
+                "the init thread ended without a result",
+            )),
+        }
+    }
+
+    /// Makes NCCL connect this (blocking) communicator now rather than at
+    /// the first operation of each kind: all-reduces of 4 B, 64 KiB and
+    /// 4 MiB (NCCL's protocols and algorithms change with size) and, with
+    /// two ranks, a grouped send/recv with the peer. Connection set-up at
+    /// first use happens inside the call on a blocking communicator, where
+    /// it waits for the peers without a deadline and, when the caller's
+    /// stream is being captured, invalidates the capture.
+    fn connect_now(&self) -> Result<()> {
+        const ELEMS: [usize; 3] = [1, 16 << 10, 1 << 20];
+        let stream = Stream::new(&self.ctx)?;
+        let mut buf = DeviceBuffer::<f32>::alloc(&self.ctx, ELEMS[2])?;
+        buf.fill_bytes(0)?;
+        for n in ELEMS {
+            // SAFETY: `buf` holds at least `n` f32 of this context and
+            // outlives the wait below; the stream is live.
+            unsafe {
+                self.all_reduce_raw(
+                    buf.device_ptr(),
+                    buf.device_ptr(),
+                    n,
+                    DataType::Float32,
+                    ReduceOp::Sum,
+                    stream.raw(),
+                )?;
+            }
+        }
+        if self.count == 2 {
+            let peer = 1 - self.rank;
+            let (lo, hi) = (buf.device_ptr(), buf.device_ptr() + 4);
+            crate::group(|| {
+                // SAFETY: both one-element ranges lie inside `buf`; the
+                // stream is live.
+                unsafe {
+                    self.send_raw(lo, 1, DataType::Float32, peer, stream.raw())?;
+                    self.recv_raw(hi, 1, DataType::Float32, peer, stream.raw())
+                }
+            })?;
+        }
+        stream.wait_until_idle(ENQUEUE_DEADLINE)?;
+        self.async_error()
+    }
+
+    /// Rank 0's fresh unique id, broadcast to every rank over this
+    /// communicator; waits at most `timeout` for the broadcast.
+    fn share_unique_id(&self, timeout: Duration) -> Result<UniqueId> {
+        let stream = Stream::new(&self.ctx)?;
+        let bytes = if self.rank == 0 {
+            *UniqueId::new()?.as_bytes()
+        } else {
+            [0u8; 128]
+        };
+        let mut buf = DeviceBuffer::from_host(&self.ctx, &bytes)?;
+        self.broadcast_in_place(&mut buf, 0, &stream)?;
+        stream.wait_until_idle(timeout)?;
+        self.async_error()?;
+        let mut out = [0u8; 128];
+        buf.copy_to_host(&mut out)?;
+        UniqueId::from_bytes(&out)
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         self.rank

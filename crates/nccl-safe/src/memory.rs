@@ -210,6 +210,30 @@ impl<T: Element> DeviceBuffer<T> {
         unsafe { cu!(cuMemcpyHtoD_v2(dst, src, bytes)) }
     }
 
+    /// Copies `data` into the first `data.len()` elements of the buffer;
+    /// the rest is left as it is. `data.len()` must not exceed `self.len()`.
+    pub fn copy_prefix_from_host(&mut self, data: &[T]) -> Result<()> {
+        if data.len() > self.len {
+            return Err(Error::invalid(
+                "DeviceBuffer::copy_prefix_from_host",
+                format!(
+                    "host slice has {} elements, buffer has {}",
+                    data.len(),
+                    self.len
+                ),
+            ));
+        }
+        if data.is_empty() {
+            return Ok(());
+        }
+        self.ctx.make_current()?;
+        let (dst, src, bytes) = (self.ptr, data.as_ptr().cast(), size_of_val(data));
+        // SAFETY: `src` is `bytes` readable host bytes and `dst` is this
+        // buffer's allocation of at least `bytes` bytes; the context is
+        // current.
+        unsafe { cu!(cuMemcpyHtoD_v2(dst, src, bytes)) }
+    }
+
     /// Copies the buffer into `out`; `out.len()` must equal `self.len()`.
     pub fn copy_to_host(&self, out: &mut [T]) -> Result<()> {
         if out.len() != self.len {

@@ -248,6 +248,68 @@ fn init_misses_its_deadline_when_a_rank_never_joins() {
 }
 
 #[test]
+fn into_blocking_keeps_ranks_and_sums_every_element() {
+    setup();
+    const N: usize = 333;
+    let id = UniqueId::new().unwrap();
+    let inputs: Arc<Vec<Vec<f32>>> = Arc::new((0..2).map(|_| random_f32(N)).collect());
+    let outputs = {
+        let inputs = Arc::clone(&inputs);
+        ranks(2, move |rank| {
+            let ctx = Context::new(rank).unwrap();
+            let stream = Stream::new(&ctx).unwrap();
+            let parent = Comm::init_rank_with_deadline(&ctx, &id, 2, rank, WAIT).unwrap();
+            let comm = parent.into_blocking(WAIT).unwrap();
+            assert!(!comm.is_nonblocking());
+            assert_eq!((comm.rank(), comm.count(), comm.device()), (rank, 2, rank));
+            let send = DeviceBuffer::from_host(&ctx, &inputs[rank]).unwrap();
+            let mut recv = DeviceBuffer::<f32>::alloc(&ctx, N).unwrap();
+            recv.fill_bytes(0xff).unwrap();
+            comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &stream)
+                .unwrap();
+            stream.wait_until_idle(WAIT).unwrap();
+            comm.async_error().unwrap();
+            recv.to_host_vec().unwrap()
+        })
+    };
+    for out in outputs {
+        for (i, got) in out.iter().enumerate() {
+            let want = inputs[0][i] + inputs[1][i];
+            assert_eq!(got.to_bits(), want.to_bits(), "element {i}");
+        }
+    }
+}
+
+#[test]
+fn into_blocking_times_out_when_a_peer_never_comes() {
+    setup();
+    let id = UniqueId::new().unwrap();
+    let after = Duration::from_millis(300);
+    let results = ranks(2, move |rank| {
+        let ctx = Context::new(rank).unwrap();
+        let parent = Comm::init_rank_with_deadline(&ctx, &id, 2, rank, WAIT).unwrap();
+        if rank == 1 {
+            // Joined the parent, never goes on; outlives rank 0's deadline.
+            std::thread::sleep(after * 3);
+            drop(parent);
+            return None;
+        }
+        let start = std::time::Instant::now();
+        let e = parent.into_blocking(after).unwrap_err();
+        Some((e, start.elapsed()))
+    });
+    let (e, took) = results[0].as_ref().expect("rank 0 result");
+    match e {
+        Error::Timeout { what, after: a } => {
+            assert_eq!(*what, "blocking communicator init");
+            assert_eq!(*a, after);
+        }
+        other => panic!("expected a timeout, got {other}"),
+    }
+    assert!(took < &(after + Duration::from_secs(1)), "took {took:?}");
+}
+
+#[test]
 fn split_groups_ranks_by_color() {
     setup();
     const R: usize = 4;
