@@ -3,7 +3,9 @@
 //!
 //! Invariants: each fault fires once and is then removed; operation faults
 //! match a communicator's rank and the 1-based count of that communicator's
-//! collectives and send/recv, taken at launch.
+//! collectives and send/recv, taken at launch; a `stall` matches the count
+//! of enqueue calls (a collective, a send/recv, or a group end with work)
+//! of a blocking communicator, taken in the call.
 
 use parking_lot::Mutex;
 
@@ -22,6 +24,10 @@ pub enum Fault {
     NoJoin,
     /// At the `nth` operation the communicator behaves as crashed.
     Die,
+    /// The `nth` enqueue call of a blocking communicator does not return
+    /// until the communicator is aborted (as NCCL's connection set-up at
+    /// first use waits for a peer that never comes), then fails.
+    Stall,
 }
 
 impl Fault {
@@ -32,6 +38,7 @@ impl Fault {
             3 => Fault::InitFail,
             4 => Fault::NoJoin,
             5 => Fault::Die,
+            6 => Fault::Stall,
             _ => return None,
         })
     }
@@ -43,6 +50,7 @@ impl Fault {
             "initfail" => Fault::InitFail,
             "nojoin" => Fault::NoJoin,
             "die" => Fault::Die,
+            "stall" => Fault::Stall,
             _ => return None,
         })
     }
@@ -113,9 +121,9 @@ pub(crate) fn reset() {
 /// Takes the operation fault for `rank`'s `nth` operation, if any.
 pub(crate) fn take_op(rank: i32, nth: u64) -> Option<Fault> {
     with(|l| {
-        let i = l
-            .iter()
-            .position(|e| e.rank == rank && !e.fault.is_init() && e.nth == nth)?;
+        let i = l.iter().position(|e| {
+            e.rank == rank && !e.fault.is_init() && e.fault != Fault::Stall && e.nth == nth
+        })?;
         Some(l.remove(i).fault)
     })
 }
@@ -125,6 +133,20 @@ pub(crate) fn take_init(rank: i32) -> Option<Fault> {
     with(|l| {
         let i = l.iter().position(|e| e.rank == rank && e.fault.is_init())?;
         Some(l.remove(i).fault)
+    })
+}
+
+/// Whether `rank`'s `nth` enqueue call stalls (taking the fault if so).
+pub(crate) fn take_stall(rank: i32, nth: u64) -> bool {
+    with(|l| {
+        let Some(i) = l
+            .iter()
+            .position(|e| e.rank == rank && e.fault == Fault::Stall && e.nth == nth)
+        else {
+            return false;
+        };
+        l.remove(i);
+        true
     })
 }
 
@@ -141,5 +163,7 @@ mod tests {
         assert!(parse_item("x:hang@1").is_none());
         assert!(parse_item("1:boom@1").is_none());
         assert!(parse_item("1:die@0").is_none());
+        let e = parse_item("1:stall@2").unwrap();
+        assert_eq!((e.rank, e.fault, e.nth), (1, Fault::Stall, 2));
     }
 }

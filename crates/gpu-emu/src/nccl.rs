@@ -643,6 +643,11 @@ struct Comm {
     seq: AtomicU64,
     ops: AtomicU64,
     split_seq: AtomicU64,
+    /// Enqueue calls of a blocking communicator (for the `stall` fault).
+    calls: AtomicU64,
+    /// Children of a split still waiting for their peers: aborting this
+    /// communicator aborts them too (NCCL's `childAbortFlag`).
+    splitting: Mutex<Vec<Arc<Comm>>>,
     /// A non-blocking communicator's first operation has been enqueued
     /// (NCCL connects lazily at first use).
     connected: AtomicBool,
@@ -662,6 +667,8 @@ impl Comm {
             seq: AtomicU64::new(0),
             ops: AtomicU64::new(0),
             split_seq: AtomicU64::new(0),
+            calls: AtomicU64::new(0),
+            splitting: Mutex::new(Vec::new()),
             connected: AtomicBool::new(false),
             st: Mutex::new(CommSt {
                 rank,
@@ -700,6 +707,25 @@ impl Comm {
         let mut st = self.st.lock();
         st.async_err.get_or_insert(code);
         st.last = Some(m);
+    }
+
+    /// Counts an enqueue call of a blocking communicator; at an injected
+    /// `stall` it waits for an abort and then fails, as a blocking NCCL
+    /// call stuck in connection set-up does.
+    fn enqueue_call(&self) -> R<()> {
+        if !self.blocking {
+            return Ok(());
+        }
+        let nth = self.calls.fetch_add(1, Ordering::AcqRel) + 1;
+        let rank = self.st.lock().rank;
+        if fault::take_stall(rank, nth) {
+            self.wait_aborted();
+            return fail(
+                ncclResult_t::ncclInternalError,
+                "connection set-up abandoned: the communicator was aborted",
+            );
+        }
+        Ok(())
     }
 
     fn wait_aborted(&self) {
@@ -935,6 +961,15 @@ fn group_end() -> R<ncclResult_t> {
     };
     if let Some(e) = gerr {
         return Err(e);
+    }
+    let mut involved: Vec<&Arc<Comm>> = Vec::new();
+    for it in &items {
+        if !involved.iter().any(|c| Arc::ptr_eq(c, &it.comm)) {
+            involved.push(&it.comm);
+        }
+    }
+    for c in involved {
+        c.enqueue_call()?;
     }
     // One task per stream, sends first, streams in order of first use.
     let mut per: Vec<(Target, Vec<GroupItem>)> = Vec::new();
@@ -1378,6 +1413,7 @@ fn submit_op(comm: &Arc<Comm>, stream: cudaStream_t, is_send: bool, body: Body) 
         });
         return Ok(ncclResult_t::ncclSuccess);
     }
+    comm.enqueue_call()?;
     if !comm.blocking && !target.stream.capturing() {
         let (w, need) = launch(comm, &body);
         let mut job = Job::default();
@@ -1784,7 +1820,15 @@ pub unsafe extern "C" fn ncclCommSplit(
             if !blocking {
                 return Ok(ncclResult_t::ncclInProgress);
             }
+            parent.splitting.lock().push(child.clone());
             child.wait_ready();
+            parent.splitting.lock().retain(|c| c.id != child.id);
+            if child.aborted() {
+                return fail(
+                    ncclResult_t::ncclInternalError,
+                    "split abandoned: the parent communicator was aborted",
+                );
+            }
             Ok(ncclResult_t::ncclSuccess)
         })())
     })
@@ -1917,6 +1961,11 @@ pub extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
         COMMS.remove(c.id);
         ABORTED.lock().insert(c.id);
         c.aborted.store(true, Ordering::Release);
+        for child in c.splitting.lock().drain(..) {
+            child.aborted.store(true, Ordering::Release);
+            let _st = child.st.lock();
+            child.cv.notify_all();
+        }
         let (rank, world) = {
             let st = c.st.lock();
             c.cv.notify_all();
