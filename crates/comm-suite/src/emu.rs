@@ -27,6 +27,9 @@ pub enum Fault {
     NeverJoins = 4,
     /// The rank dies at its `nth` collective.
     Dies = 5,
+    /// The `nth` enqueue call of a blocking communicator stays inside NCCL
+    /// until the communicator is aborted.
+    Stalls = 6,
 }
 
 type InjectFn = unsafe extern "C" fn(i32, i32, u64) -> i32;

@@ -327,12 +327,24 @@ impl RankCtx {
     }
 
     /// A backend configuration for this rank: its device, the run's dump
-    /// directory, 30 s collective and init deadlines.
+    /// directory, 30 s collective and init deadlines, and the enqueue mode
+    /// from `METRALE_COMM_ENQUEUE` when set (so the whole suite can run on
+    /// blocking communicators; the default is the library's).
     pub fn config(&self) -> metrale_comm::BackendConfig {
-        metrale_comm::BackendConfig::new(self.device)
+        let c = metrale_comm::BackendConfig::new(self.device)
             .with_collective_timeout(Duration::from_secs(30))
             .with_init_timeout(Duration::from_secs(30))
-            .with_dump_dir(self.dump_dir())
+            .with_dump_dir(self.dump_dir());
+        match std::env::var("METRALE_COMM_ENQUEUE") {
+            Ok(m) => match metrale_comm::EnqueueMode::parse(&m) {
+                Ok(mode) => c.with_enqueue(mode),
+                Err(e) => {
+                    eprintln!("comm-suite: ignoring METRALE_COMM_ENQUEUE: {e}");
+                    c
+                }
+            },
+            Err(_) => c,
+        }
     }
 
     /// Builds an `NcclBackend` with `config` and a fresh rendezvous.

@@ -35,13 +35,14 @@ pub enum FastPathPolicy {
 }
 
 impl FastPathPolicy {
-    /// The default crossover on 2 H200s over NVLink, from NCCL's numbers in
-    /// `shared/gpu/ANCHORS.md` (graph replay: send/recv moves 1-16 MiB a good
-    /// deal faster than all-reduce; the add kernel costs a launch and a pass
-    /// over memory). See `docs/benchmarks.md` for how it is re-derived.
+    /// The default crossover on 2 H200s over NVLink, measured with
+    /// `cargo xtask bench --crossover` (`docs/benchmarks.md`): the fast path
+    /// beats NCCL's all-reduce at 2 MiB (1.20x, eager and under graph
+    /// replay), ties at 4 MiB (0.98-1.01x) and loses at 1 MiB and from
+    /// 8 MiB (0.81-0.87x); below 1 MiB it loses by a kernel launch.
     pub const DEFAULT: FastPathPolicy = FastPathPolicy::Range {
-        min_bytes: 1 << 20,
-        max_bytes: 16 << 20,
+        min_bytes: 2 << 20,
+        max_bytes: 4 << 20,
     };
 
     /// Whether a payload of `bytes` takes the fast path.
@@ -53,6 +54,17 @@ impl FastPathPolicy {
                 min_bytes,
                 max_bytes,
             } => (min_bytes..=max_bytes).contains(&bytes),
+        }
+    }
+
+    /// The largest payload this policy sends down the fast path (`None`
+    /// for [`FastPathPolicy::Never`]). The backend sizes its scratch buffer
+    /// from it.
+    pub fn max_fast_bytes(self) -> Option<usize> {
+        match self {
+            FastPathPolicy::Never => None,
+            FastPathPolicy::Always => Some(usize::MAX),
+            FastPathPolicy::Range { max_bytes, .. } => Some(max_bytes),
         }
     }
 
@@ -81,6 +93,44 @@ impl FastPathPolicy {
             min_bytes,
             max_bytes,
         })
+    }
+}
+
+/// How the backend's communicator hands work to NCCL. Both modes init with
+/// a deadline (non-blocking init, polled) and watch every submission's
+/// completion; they differ in the enqueue call itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum EnqueueMode {
+    /// A non-blocking communicator: every NCCL call returns at once and is
+    /// polled with a deadline, including connection set-up at a peer's
+    /// first operation. NCCL starts a thread for every call on such a
+    /// communicator, which costs tens of microseconds per eager operation
+    /// (`docs/benchmarks.md`); work replayed from a CUDA graph does not pay
+    /// it.
+    #[default]
+    NonBlocking,
+    /// A blocking communicator, joined once the non-blocking init has
+    /// succeeded (rank 0's fresh unique id is broadcast over the
+    /// non-blocking communicator, then every rank joins a blocking one with
+    /// it, within the init timeout; `nccl_safe::Comm::into_blocking`):
+    /// NCCL enqueues on the calling thread, at raw NCCL's cost. A call that stays inside NCCL (connection set-up waiting for a
+    /// peer that never issues its side) is caught by the watchdog at the
+    /// collective timeout, which poisons the backend and aborts the
+    /// communicator to release it.
+    Blocking,
+}
+
+impl EnqueueMode {
+    /// Parses `blocking` or `nonblocking` (also `non-blocking`).
+    pub fn parse(s: &str) -> Result<Self, CommError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "blocking" => Ok(EnqueueMode::Blocking),
+            "nonblocking" | "non-blocking" => Ok(EnqueueMode::NonBlocking),
+            other => Err(CommError::Config(format!(
+                "enqueue mode `{other}`: expected blocking or nonblocking"
+            ))),
+        }
     }
 }
 
@@ -119,7 +169,9 @@ pub struct BackendConfig {
     /// The 2-rank fast-path policy.
     pub fast_path: FastPathPolicy,
     /// Capacity of the fast path's receive buffer; larger payloads go in
-    /// chunks of this size.
+    /// chunks of this size. A 2-rank backend whose policy can take the fast
+    /// path allocates `min(scratch_bytes, largest fast-path payload)` of
+    /// device memory once, at construction (never under graph capture).
     pub scratch_bytes: usize,
     /// Entries kept by the flight recorder.
     pub flight_recorder_capacity: usize,
@@ -128,6 +180,8 @@ pub struct BackendConfig {
     /// How often the watchdog polls completion events and NCCL's
     /// asynchronous error.
     pub watchdog_interval: Duration,
+    /// How the communicator enqueues work (see [`EnqueueMode`]).
+    pub enqueue: EnqueueMode,
 }
 
 impl BackendConfig {
@@ -143,7 +197,14 @@ impl BackendConfig {
             flight_recorder_capacity: 4096,
             dump_dir: None,
             watchdog_interval: Duration::from_millis(2),
+            enqueue: EnqueueMode::default(),
         }
+    }
+
+    /// Sets the enqueue mode.
+    pub fn with_enqueue(mut self, mode: EnqueueMode) -> Self {
+        self.enqueue = mode;
+        self
     }
 
     /// Sets the collective timeout.
@@ -214,6 +275,9 @@ impl BackendConfig {
         if let Some(b) = get("METRALE_COMM_SCRATCH_BYTES") {
             self.scratch_bytes = parse_bytes(&b)?;
         }
+        if let Some(m) = get("METRALE_COMM_ENQUEUE") {
+            self.enqueue = EnqueueMode::parse(&m)?;
+        }
         if let Some(d) = get("METRALE_COMM_DUMP_DIR").filter(|d| !d.is_empty()) {
             self.dump_dir = Some(PathBuf::from(d));
         }
@@ -272,6 +336,7 @@ mod tests {
             ("METRALE_COMM_FAST_PATH", "never"),
             ("METRALE_COMM_SCRATCH_BYTES", "8M"),
             ("METRALE_COMM_DUMP_DIR", "/tmp/fr"),
+            ("METRALE_COMM_ENQUEUE", "blocking"),
         ]
         .into();
         let c = BackendConfig::new(1)
@@ -281,6 +346,13 @@ mod tests {
         assert_eq!(c.fast_path, FastPathPolicy::Never);
         assert_eq!(c.scratch_bytes, 8 << 20);
         assert_eq!(c.dump_dir.as_deref(), Some(std::path::Path::new("/tmp/fr")));
+        assert_eq!(c.enqueue, EnqueueMode::Blocking);
+        assert_eq!(BackendConfig::new(0).enqueue, EnqueueMode::NonBlocking);
+        assert!(
+            BackendConfig::new(0)
+                .with_overrides(|k| (k == "METRALE_COMM_ENQUEUE").then(|| "fast".to_string()))
+                .is_err()
+        );
         for bad in ["0", "-1", "abc"] {
             let r = BackendConfig::new(0)
                 .with_overrides(|k| (k == "METRALE_COMM_TIMEOUT_SECS").then(|| bad.to_string()));

@@ -31,7 +31,7 @@ pub mod rendezvous;
 mod validate;
 
 pub use backend::CommBackend;
-pub use config::{BackendConfig, FastPathPolicy};
+pub use config::{BackendConfig, EnqueueMode, FastPathPolicy};
 pub use error::{CommError, Failure, FailureKind};
 pub use local_backend::LocalBackend;
 pub use nccl_backend::{AllReducePath, NcclBackend};

@@ -12,6 +12,10 @@
 //!   (unless captured into a CUDA graph) watched: a completion event goes to
 //!   the watchdog, which poisons and aborts on a deadline miss or an
 //!   asynchronous NCCL error.
+//! - With `EnqueueMode::Blocking` the communicator is a blocking one (joined
+//!   after the non-blocking init, `Comm::into_blocking`), and each NCCL call is itself
+//!   watched: a call still inside NCCL at the collective timeout is
+//!   poisoned by the watchdog, whose abort makes NCCL return.
 //! - Once poisoned, every call is refused before NCCL is called, with the
 //!   first failure; `attempt_reconnect` is the way back.
 //! - Host waits poll with a deadline; only `recv_command_u32` idles without
@@ -32,7 +36,7 @@ use nccl_safe::{
 use parking_lot::Mutex;
 
 use crate::backend::{CommBackend, Result};
-use crate::config::BackendConfig;
+use crate::config::{BackendConfig, EnqueueMode};
 use crate::diagnostics::{DumpHeader, FlightRecorder, OpState};
 use crate::error::{CommError, Failure, FailureKind};
 use crate::health::Health;
@@ -117,6 +121,10 @@ struct Inner {
     event_pool: Mutex<Vec<Arc<Event>>>,
     generation: AtomicU64,
     group_depth: AtomicUsize,
+    /// The submission now inside an NCCL call on a blocking communicator
+    /// (op, sequence number, since when), for the watchdog: such a call has
+    /// no deadline of its own.
+    in_call: Mutex<Option<(&'static str, u64, Instant)>>,
 }
 
 /// The NCCL implementation of [`CommBackend`]. See the module docs for its
@@ -210,9 +218,13 @@ impl NcclBackend {
             event_pool: Mutex::new(Vec::new()),
             generation: AtomicU64::new(0),
             group_depth: AtomicUsize::new(0),
+            in_call: Mutex::new(None),
         });
         {
             let mut slot = inner.slot.lock();
+            inner
+                .ensure_scratch(&mut slot)
+                .map_err(setup("fast-path scratch buffer"))?;
             inner.connect(&mut slot, 0)?;
         }
         let weak = Arc::downgrade(&inner);
@@ -391,6 +403,15 @@ impl Inner {
                         self.rank, self.world_size
                     ),
                 })?;
+        if self.config.enqueue == EnqueueMode::Blocking {
+            comm = comm.into_blocking(timeout).map_err(|e| CommError::Setup {
+                stage: "blocking communicator",
+                message: format!(
+                    "rank {} of {} (generation {generation}): {e}",
+                    self.rank, self.world_size
+                ),
+            })?;
+        }
         // A call waits for NCCL's background enqueue at most as long as the
         // operation itself may take.
         comm.set_enqueue_deadline(Some(self.config.collective_timeout));
@@ -561,7 +582,8 @@ impl Inner {
         let seq = self
             .recorder
             .record(op, dtype.name(), bytes, raw_stream, peer);
-        if let Err(e) = enqueue(&mut slot, raw_stream) {
+        let enqueued = self.in_nccl(op, seq, || enqueue(&mut slot, raw_stream));
+        if let Err(e) = enqueued {
             if is_refusal(&e) {
                 self.recorder.set_state(seq, OpState::Failed);
                 return Err(CommError::Refused { op, source: e });
@@ -604,6 +626,18 @@ impl Inner {
         let deadline = (!idle).then(|| Instant::now() + self.config.collective_timeout);
         let event = self.watch(seq, op, raw_stream, deadline)?;
         Ok((seq, Some(event)))
+    }
+
+    /// Runs `f`, which calls NCCL for submission `seq`; on a blocking
+    /// communicator the watchdog sees the call while it runs.
+    fn in_nccl<T>(&self, op: &'static str, seq: u64, f: impl FnOnce() -> T) -> T {
+        if self.config.enqueue != EnqueueMode::Blocking {
+            return f();
+        }
+        *self.in_call.lock() = Some((op, seq, Instant::now()));
+        let out = f();
+        *self.in_call.lock() = None;
+        out
     }
 
     fn is_capturing(&self, stream: u64, op: &'static str) -> Result<bool> {
@@ -726,6 +760,21 @@ impl Inner {
         if self.health.is_poisoned() {
             return;
         }
+        // A call stuck inside NCCL on a blocking communicator: poisoning
+        // aborts the communicator, which makes NCCL return from it.
+        let stuck = *self.in_call.lock();
+        if let Some((op, seq, since)) = stuck
+            && now.saturating_duration_since(since) >= self.config.collective_timeout
+        {
+            self.poison(
+                op,
+                seq,
+                FailureKind::Timeout {
+                    after: self.config.collective_timeout,
+                },
+            );
+            return;
+        }
         if let Some((op, seq)) = expired {
             self.poison(
                 op,
@@ -757,6 +806,24 @@ impl Inner {
         }
     }
 
+    /// Allocates the fast path's scratch buffer once, at its final size:
+    /// the configured scratch capacity, capped by the largest payload the
+    /// policy sends down the fast path. Called at construction and from
+    /// `set_add_kernel`, so the fast path never allocates while the caller's
+    /// stream is being captured, and a buffer is never freed under work
+    /// still in flight.
+    fn ensure_scratch(&self, slot: &mut Slot) -> nccl_safe::Result<()> {
+        if slot.scratch.is_some() || self.world_size != 2 || slot.kernel.raw().is_none() {
+            return Ok(());
+        }
+        let Some(max) = self.config.fast_path.max_fast_bytes() else {
+            return Ok(());
+        };
+        let elems = (self.config.scratch_bytes.min(max) / 2).max(1);
+        slot.scratch = Some(DeviceBuffer::alloc(&self.ctx, elems)?);
+        Ok(())
+    }
+
     /// Enqueues the 2-rank fast path on `stream`: for each chunk that fits
     /// the scratch buffer, a grouped send/recv with the peer, then the add.
     fn fast_path(
@@ -767,13 +834,12 @@ impl Inner {
         stream: u64,
     ) -> nccl_safe::Result<()> {
         let n = bytes / 2;
-        let chunk_elems = (self.config.scratch_bytes / 2).max(1);
-        let want = chunk_elems.min(n);
-        if slot.scratch.as_ref().is_none_or(|s| s.len() < want) {
-            slot.scratch = None;
-            slot.scratch = Some(DeviceBuffer::alloc(&self.ctx, want)?);
-        }
-        let scratch = slot.scratch.as_ref().map(|s| s.device_ptr()).unwrap_or(0);
+        self.ensure_scratch(slot)?;
+        let (scratch, chunk_elems) = slot
+            .scratch
+            .as_ref()
+            .map(|s| (s.device_ptr(), s.len()))
+            .ok_or_else(|| nccl_safe::Error::invalid("fast path", "no scratch buffer"))?;
         let kernel = slot
             .kernel
             .raw()
@@ -1024,7 +1090,12 @@ impl CommBackend for NcclBackend {
         const OP: &str = "set_add_kernel";
         check_function(OP, function)?;
         self.inner.check_usable(OP)?;
-        self.inner.slot.lock().kernel = AddKernel::External(function);
+        let mut slot = self.inner.slot.lock();
+        slot.kernel = AddKernel::External(function);
+        self.inner
+            .ensure_scratch(&mut slot)
+            .map_err(|source| CommError::Refused { op: OP, source })?;
+        drop(slot);
         tracing::info!(
             rank = self.inner.rank,
             "engine-supplied bf16 add kernel set"
@@ -1197,7 +1268,14 @@ impl CommBackend for NcclBackend {
             });
         }
         inner.group_depth.store(depth - 1, Ordering::Release);
-        let ended = nccl_group_call(OP, false);
+        // The outermost group end launches the group's work (and on a
+        // blocking communicator may wait there for a peer's connection).
+        let first = slot
+            .group_watch
+            .first()
+            .map(|w| w.0)
+            .unwrap_or_else(|| inner.recorder.last_seq());
+        let ended = inner.in_nccl(OP, first, || nccl_group_call(OP, false));
         if depth > 1 {
             return ended;
         }

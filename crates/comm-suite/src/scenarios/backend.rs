@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail, ensure};
 use half::bf16;
 use metrale_comm::{
-    AllReducePath, CommBackend, CommError, FastPathPolicy, LocalBackend, NcclBackend,
+    AllReducePath, CommBackend, CommError, EnqueueMode, FastPathPolicy, LocalBackend, NcclBackend,
 };
 use nccl_safe::{DataType, DeviceBuffer, Stream};
 
@@ -100,15 +100,40 @@ fn exact(ctx: &RankCtx) -> bool {
 /// synchronous and on a compute stream; fast-path results bit-identical
 /// across ranks.
 pub fn all_reduce_sweep(ctx: &RankCtx) -> anyhow::Result<()> {
-    let seed = ctx.shared_seed("sweep")?;
+    sweep_with(ctx, EnqueueMode::NonBlocking, &sweep(ctx.on_gpu()))
+}
+
+/// On backends whose communicator is blocking (`EnqueueMode::Blocking`): a
+/// captured all-reduce as a fresh backend's first operation, replayed, then
+/// the all-reduce sweep (every other size, and the largest) and every
+/// operation.
+pub fn blocking_enqueue(ctx: &RankCtx) -> anyhow::Result<()> {
+    let all = sweep(ctx.on_gpu());
+    let mut sizes: Vec<usize> = all.iter().copied().step_by(2).collect();
+    if let Some(&last) = all.last()
+        && sizes.last() != Some(&last)
+    {
+        sizes.push(last);
+    }
+    let blocking = ctx.config().with_enqueue(EnqueueMode::Blocking);
+    graph_replay_with(ctx, blocking, "graph-blocking", 10)?;
+    sweep_with(ctx, EnqueueMode::Blocking, &sizes)?;
+    every_operation_with(ctx, EnqueueMode::Blocking)
+}
+
+fn sweep_with(ctx: &RankCtx, mode: EnqueueMode, sizes: &[usize]) -> anyhow::Result<()> {
+    let seed = ctx.shared_seed(&format!("sweep-{mode:?}"))?;
     let w = ctx.world_size;
     for (pi, policy) in [FastPathPolicy::Always, FastPathPolicy::Never]
         .into_iter()
         .enumerate()
     {
-        let b = ctx.backend(&format!("sweep-{pi}"), ctx.config().with_fast_path(policy))?;
+        let b = ctx.backend(
+            &format!("sweep-{mode:?}-{pi}"),
+            ctx.config().with_fast_path(policy).with_enqueue(mode),
+        )?;
         let compute = Stream::new(b.context())?;
-        for (si, bytes) in sweep(ctx.on_gpu()).into_iter().enumerate() {
+        for (si, &bytes) in sizes.iter().enumerate() {
             let n = bytes / 2;
             let want_fast = w == 2 && policy == FastPathPolicy::Always;
             let path = b.all_reduce_path(bytes);
@@ -144,7 +169,10 @@ pub fn all_reduce_sweep(ctx: &RankCtx) -> anyhow::Result<()> {
                 let got = buf.to_host_vec()?;
                 check(&what, &got, &want, exact(ctx), w)?;
                 if want_fast {
-                    ctx.all_equal(&format!("fast-{pi}-{si}-{asynchronous}"), hash(&got))?;
+                    ctx.all_equal(
+                        &format!("fast-{mode:?}-{pi}-{si}-{asynchronous}"),
+                        hash(&got),
+                    )?;
                 }
             }
         }
@@ -156,9 +184,18 @@ pub fn all_reduce_sweep(ctx: &RankCtx) -> anyhow::Result<()> {
 /// all_gather, reduce_scatter (bf16, f32), broadcast, grouped send/recv,
 /// registration and symmetric memory, a custom add kernel, barrier.
 pub fn every_operation(ctx: &RankCtx) -> anyhow::Result<()> {
-    let seed = ctx.shared_seed("ops")?;
+    every_operation_with(ctx, EnqueueMode::NonBlocking)
+}
+
+fn every_operation_with(ctx: &RankCtx, mode: EnqueueMode) -> anyhow::Result<()> {
+    let seed = ctx.shared_seed(&format!("ops-{mode:?}"))?;
     let (w, r) = (ctx.world_size, ctx.rank);
-    let b = ctx.backend("ops", ctx.config().with_fast_path(FastPathPolicy::DEFAULT))?;
+    let b = ctx.backend(
+        &format!("ops-{mode:?}"),
+        ctx.config()
+            .with_fast_path(FastPathPolicy::DEFAULT)
+            .with_enqueue(mode),
+    )?;
     let c = b.context().clone();
     let stream = Stream::new(&c)?;
     for (si, n) in op_counts(ctx.on_gpu(), w).into_iter().enumerate() {
@@ -360,20 +397,31 @@ pub fn barrier_waits(ctx: &RankCtx) -> anyhow::Result<()> {
 
 /// A captured all_reduce_async replays correctly 100 times with fresh data.
 pub fn graph_replay(ctx: &RankCtx) -> anyhow::Result<()> {
-    let seed = ctx.shared_seed("graph")?;
+    graph_replay_with(ctx, ctx.config(), "graph", 100)
+}
+
+/// Captures an all_reduce_async as the first operation of a fresh backend
+/// built from `config`, then replays it `replays` times on fresh data.
+fn graph_replay_with(
+    ctx: &RankCtx,
+    config: metrale_comm::BackendConfig,
+    name: &str,
+    replays: u64,
+) -> anyhow::Result<()> {
+    let seed = ctx.shared_seed(name)?;
     let w = ctx.world_size;
-    let b = ctx.backend("graph", ctx.config())?;
+    let b = ctx.backend(name, config)?;
     let compute = Stream::new(b.context())?;
     let n = 4097;
     let mut buf = DeviceBuffer::<bf16>::alloc(b.context(), n)?;
-    ctx.step("capture all_reduce_async");
+    ctx.step(format!("{name}: capture all_reduce_async"));
     compute.begin_capture()?;
     // SAFETY: buf holds 2n bytes on this device and outlives every replay.
     let r = unsafe { b.all_reduce_async(buf.device_ptr(), 2 * n, compute.raw() as u64) };
     let graph = compute.end_capture()?;
     r?;
     let exec = graph.instantiate()?;
-    for i in 0..100u64 {
+    for i in 0..replays {
         ctx.step(format!("graph replay {i}"));
         let inputs: Vec<Vec<bf16>> = (0..w).map(|k| random_vec(seed, k, i, n)).collect();
         buf.copy_from_host(&inputs[ctx.rank])?;

@@ -88,6 +88,15 @@ pub fn all() -> Vec<Scenario> {
             backend::every_operation,
         ),
         s(
+            "backend_blocking_enqueue",
+            "all-reduce sweep and every operation on a blocking communicator",
+            2,
+            None,
+            &[2],
+            Nothing,
+            backend::blocking_enqueue,
+        ),
+        s(
             "backend_barrier_waits",
             "a barrier waits for a rank that sleeps 2 s",
             2,
@@ -158,6 +167,15 @@ pub fn all() -> Vec<Scenario> {
             &[2],
             EmulatorFaults,
             reliability::injected_hang,
+        ),
+        s(
+            "rel_blocking_stall",
+            "a blocking NCCL call that never returns is caught by the watchdog",
+            2,
+            Some(2),
+            &[2],
+            EmulatorFaults,
+            reliability::blocking_stall,
         ),
         s(
             "rel_async_error_poisons",

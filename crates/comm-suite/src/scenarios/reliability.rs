@@ -168,6 +168,43 @@ pub fn injected_hang(ctx: &RankCtx) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// On a blocking communicator, an NCCL call that never returns (emulator:
+/// the `stall` fault, as NCCL's connection set-up waiting for a peer) is
+/// caught by the watchdog at the deadline, which names the op and its
+/// sequence number and aborts the communicator to release the call.
+pub fn blocking_stall(ctx: &RankCtx) -> anyhow::Result<()> {
+    let Some(emu) = ctx.emu() else {
+        return Err(RankCtx::skip("needs the emulator's fault injection"));
+    };
+    let _reset = ResetFaults(ctx);
+    let b = ctx.backend(
+        "stall",
+        short(ctx).with_enqueue(metrale_comm::EnqueueMode::Blocking),
+    )?;
+    all_reduce_ok(ctx, &b, 4)?;
+    if ctx.rank == 0 {
+        // The warm-up was this communicator's first enqueue call.
+        emu.inject(0, Fault::Stalls, 2)?;
+        let buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
+        ctx.step("all_reduce stuck inside NCCL");
+        let t = Instant::now();
+        // SAFETY: buf holds 2000 bytes on this device.
+        let r = unsafe { b.all_reduce(buf.device_ptr(), 2000) };
+        let f = expect_timeout("stalled all_reduce", r, t.elapsed())?;
+        let seq = b.recorder().last_seq();
+        ensure!(
+            f.op == "all_reduce" && f.seq == seq,
+            "the failure names {} #{} instead of all_reduce #{seq}",
+            f.op,
+            f.seq
+        );
+        ensure!(!b.is_healthy(), "backend healthy after a stalled call");
+    }
+    ctx.barrier("stall seen")?;
+    b.shutdown().ok();
+    Ok(())
+}
+
 /// An injected asynchronous error poisons; the poisoned backend refuses
 /// 1000 calls, each fast and without calling NCCL.
 pub fn async_error_poisons(ctx: &RankCtx) -> anyhow::Result<()> {
