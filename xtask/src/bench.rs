@@ -5,7 +5,7 @@
 //! `gpu-test`. Otherwise it builds `metrale-benches`' `gpu-bench` binary in
 //! release mode and runs it with the remaining options (`--out FILE`,
 //! `--crossover`, `--min`, `--max`, `--factor`, `--trials`, `--ops`,
-//! `--modes`),
+//! `--modes`, `--enqueue`),
 //! returning its exit code; with one GPU the binary itself says why it
 //! measures nothing and exits 0. `--bundle DIR` builds and writes the binary
 //! and a `run.sh` to DIR, for a GPU box without Rust; it needs no GPU.
@@ -22,7 +22,7 @@ use crate::gpu_box;
 const HELP: &str = "\
 usage: cargo xtask bench [--out FILE] [--crossover] [--min BYTES] [--max BYTES]
                          [--factor N] [--trials N] [--ops a,b] [--modes eager,graph]
-                         [--bundle DIR]
+                         [--enqueue nonblocking|blocking] [--bundle DIR]
 
 Builds benches/ (gpu-bench, --release) and runs it on this box's GPUs: every
 CommBackend collective next to raw NCCL, 8 B to 1 GiB, eager and under CUDA
@@ -48,7 +48,8 @@ pub fn run(args: &[String]) -> anyhow::Result<i32> {
                 bundle = Some(PathBuf::from(dir));
             }
             "--crossover" => pass.push(a.clone()),
-            "--out" | "--min" | "--max" | "--factor" | "--trials" | "--ops" | "--modes" => {
+            "--out" | "--min" | "--max" | "--factor" | "--trials" | "--ops" | "--modes"
+            | "--enqueue" => {
                 let v = it.next().with_context(|| format!("{a} needs a value"))?;
                 pass.push(a.clone());
                 pass.push(if a == "--out" {
@@ -89,7 +90,7 @@ fn absolute(p: &str) -> anyhow::Result<String> {
 
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Runs the metrale-comm GPU benchmarks on this box's first 2 GPUs.
-# Options: --out FILE --crossover --min BYTES --max BYTES --factor N --trials N --ops a,b
+# Options: --out FILE --crossover --min BYTES --max BYTES --factor N --trials N --ops a,b --enqueue MODE
 # NCCL_* variables are passed through exactly as given.
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -36,7 +36,9 @@ use metrale_benches::{
     paths_table, size_series,
 };
 use metrale_comm::rendezvous::FileRendezvous;
-use metrale_comm::{AllReducePath, BackendConfig, CommBackend, FastPathPolicy, NcclBackend};
+use metrale_comm::{
+    AllReducePath, BackendConfig, CommBackend, EnqueueMode, FastPathPolicy, NcclBackend,
+};
 use nccl_safe::{Comm, Context, DataType, DeviceBuffer, Event, Group, ReduceOp, Stream, UniqueId};
 use parking_lot::{Condvar, Mutex};
 use rand::Rng as _;
@@ -44,11 +46,13 @@ use rand::Rng as _;
 const HELP: &str = "\
 usage: gpu-bench [--out FILE] [--crossover] [--min BYTES] [--max BYTES]
                  [--factor N] [--trials N] [--ops a,b] [--modes eager,graph]
+                 [--enqueue nonblocking|blocking]
 
 Sizes run from --min (default 8) to --max (default 1G) by --factor (default 4;
 --crossover alone defaults to 2 and all-reduce only). --ops picks among
 all_reduce, all_gather, reduce_scatter, broadcast, send_recv, paths.
-Prints markdown tables and writes them to --out when given.
+--enqueue sets the backends' EnqueueMode (default nonblocking, the
+backend's default). Prints markdown tables and writes them to --out when given.
 ";
 
 const WAIT: Duration = Duration::from_secs(120);
@@ -63,6 +67,7 @@ struct Opts {
     trials: usize,
     ops: Vec<String>,
     modes: Vec<Mode>,
+    enqueue: EnqueueMode,
 }
 
 fn parse_args() -> anyhow::Result<Option<Opts>> {
@@ -75,6 +80,7 @@ fn parse_args() -> anyhow::Result<Option<Opts>> {
         trials: 7,
         ops: Vec::new(),
         modes: vec![Mode::Eager, Mode::Graph],
+        enqueue: EnqueueMode::default(),
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut it = args.iter();
@@ -90,6 +96,10 @@ fn parse_args() -> anyhow::Result<Option<Opts>> {
             }
             "--out" => o.out = Some(PathBuf::from(it.next().context("--out needs a file")?)),
             "--crossover" => o.crossover = true,
+            "--enqueue" => {
+                o.enqueue = EnqueueMode::parse(it.next().context("--enqueue needs a mode")?)
+                    .map_err(|e| anyhow::anyhow!("--enqueue: {e}"))?
+            }
             "--min" => o.min = bytes(it.next(), "--min")?,
             "--max" => o.max = bytes(it.next(), "--max")?,
             "--factor" => o.factor = bytes(it.next(), "--factor")?,
@@ -297,8 +307,9 @@ impl Report {
         }
         s.push_str(&format!(
             "2 ranks (threads of one process), {} trials per point, median per-op time of rank 0; \
-             busbw with nccl-tests' formulas; every ratio is within this run.\n\n",
-            opts.trials
+             busbw with nccl-tests' formulas; every ratio is within this run. \
+             Backends: EnqueueMode::{:?}.\n\n",
+            opts.trials, opts.enqueue
         ));
         if !self.ops.is_empty() {
             s.push_str("## CommBackend vs raw NCCL (nccl-safe)\n\n");
@@ -353,10 +364,12 @@ fn backend(
     dir: &std::path::Path,
     name: &str,
     policy: FastPathPolicy,
+    enqueue: EnqueueMode,
 ) -> anyhow::Result<NcclBackend> {
     let rv = FileRendezvous::new(rank, 2, dir.join(name))?;
     let config = BackendConfig::new(rank)
         .with_fast_path(policy)
+        .with_enqueue(enqueue)
         .with_init_timeout(WAIT);
     NcclBackend::new(config, Box::new(rv)).with_context(|| format!("backend {name}"))
 }
@@ -389,9 +402,9 @@ fn rank_main(
     // once its work is on the stream (the backend's non-blocking one may have
     // to wait for NCCL's background enqueue, which is part of its overhead).
     let raw = Comm::init_rank(&ctx, &uid, 2, rank).context("raw communicator")?;
-    let never = backend(rank, dir, "never", FastPathPolicy::Never)?;
-    let always = backend(rank, dir, "always", FastPathPolicy::Always)?;
-    let auto = backend(rank, dir, "auto", FastPathPolicy::DEFAULT)?;
+    let never = backend(rank, dir, "never", FastPathPolicy::Never, opts.enqueue)?;
+    let always = backend(rank, dir, "always", FastPathPolicy::Always, opts.enqueue)?;
+    let auto = backend(rank, dir, "auto", FastPathPolicy::DEFAULT, opts.enqueue)?;
     let max = opts.max;
     let elems = max.div_ceil(2);
     let mut r = Rank {
@@ -649,13 +662,14 @@ impl Rank {
         Ok(())
     }
 
-    /// Rewrites `a` with this rank's random data and waits until the copy
+    /// Rewrites the first `bytes` of `a` (all of it for `usize::MAX`) with
+    /// this rank's random data and waits until the copy
     /// has landed: a copy from pageable memory may return before its DMA
     /// completes, and the non-blocking streams the operations run on do not
     /// wait for the legacy stream it runs on.
-    fn refill(&mut self) -> anyhow::Result<()> {
-        let n = self.a.len();
-        self.a.copy_from_host(&self.host[..n])?;
+    fn refill(&mut self, bytes: usize) -> anyhow::Result<()> {
+        let n = (bytes / 2).clamp(1, self.a.len());
+        self.a.copy_prefix_from_host(&self.host[..n])?;
         // SAFETY: the null handle is the legacy default stream of the
         // current context, which lives as long as the context.
         let legacy = unsafe { Stream::borrowed(&self.ctx, std::ptr::null_mut()) };
@@ -689,14 +703,29 @@ fn measure(
     // SAFETY: `stream_raw` is a live stream of this rank's context (ours or
     // a backend's), which outlives this borrowed wrapper.
     let stream = unsafe { Stream::borrowed(&r.ctx, stream_raw as cuda_sys::CUstream) };
+    // `GPU_BENCH_TRACE=1`: a line per step on stderr (unbuffered), so a
+    // crash shows where it happened.
+    let trace = |what: &str| {
+        if std::env::var_os("GPU_BENCH_TRACE").is_some() {
+            eprintln!(
+                "gpu-bench: rank {} {} {imp:?} {}: {what}",
+                r.rank,
+                mode.name(),
+                human_bytes(bytes)
+            );
+        }
+    };
     let graph = if mode == Mode::Graph {
         // Capture `iters` operations on our stream.
         r.stream.wait_until_idle(WAIT)?;
         meet.wait(2)?;
+        trace("begin capture");
         r.stream.begin_capture()?;
         let issued = (0..iters).try_for_each(|_| r.issue(imp, mode, bytes));
+        trace("end capture");
         let g = r.stream.end_capture();
         issued.context("issuing under capture")?;
+        trace("instantiate");
         Some(g?.instantiate()?)
     } else {
         None
@@ -713,14 +742,14 @@ fn measure(
         Ok(())
     };
     // Warm-up.
-    r.refill()?;
+    r.refill(bytes)?;
     meet.wait(2)?;
     run_once(r)?;
     stream.wait_until_idle(WAIT)?;
     r.stream.wait_until_idle(WAIT)?;
     let mut trials = Vec::with_capacity(opts.trials);
     for _ in 0..opts.trials {
-        r.refill()?;
+        r.refill(bytes)?;
         meet.wait(2)?;
         r.start.record(&stream)?;
         run_once(r)?;
@@ -756,7 +785,8 @@ fn verify_all_reduce(r: &mut Rank, opts: &Opts, meet: &Meet) -> anyhow::Result<V
         ] {
             // In place: the input is this rank's data, and every peer value
             // is non-zero, so an element the operation did not write fails.
-            r.refill()?;
+            // The whole buffer: the check below reads past the payload.
+            r.refill(usize::MAX)?;
             meet.wait(2)?;
             r.issue(imp, Mode::Eager, bytes)?;
             r.stream.wait_until_idle(WAIT)?;
