@@ -27,8 +27,8 @@ pub enum Fault {
     NeverJoins = 4,
     /// The rank dies at its `nth` collective.
     Dies = 5,
-    /// The `nth` enqueue call of a blocking communicator stays inside NCCL
-    /// until the communicator is aborted.
+    /// The `nth` enqueue call on a blocking communicator, counted from the
+    /// injection, stays inside NCCL until the communicator is aborted.
     Stalls = 6,
 }
 

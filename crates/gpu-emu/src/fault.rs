@@ -3,9 +3,9 @@
 //!
 //! Invariants: each fault fires once and is then removed; operation faults
 //! match a communicator's rank and the 1-based count of that communicator's
-//! collectives and send/recv, taken at launch; a `stall` matches the count
-//! of enqueue calls (a collective, a send/recv, or a group end with work)
-//! of a blocking communicator, taken in the call.
+//! collectives and send/recv, taken at launch; a `stall` counts the rank's
+//! enqueue calls on blocking communicators (a collective, a send/recv, or a
+//! group end with work) from when it is added, taken in the call.
 
 use parking_lot::Mutex;
 
@@ -24,8 +24,8 @@ pub enum Fault {
     NoJoin,
     /// At the `nth` operation the communicator behaves as crashed.
     Die,
-    /// The `nth` enqueue call of a blocking communicator does not return
-    /// until the communicator is aborted (as NCCL's connection set-up at
+    /// The `nth` enqueue call on a blocking communicator, counted from when
+    /// the fault is added, does not return until the communicator is aborted (as NCCL's connection set-up at
     /// first use waits for a peer that never comes), then fails.
     Stall,
 }
@@ -136,15 +136,21 @@ pub(crate) fn take_init(rank: i32) -> Option<Fault> {
     })
 }
 
-/// Whether `rank`'s `nth` enqueue call stalls (taking the fault if so).
-pub(crate) fn take_stall(rank: i32, nth: u64) -> bool {
+/// Counts one enqueue call of a blocking communicator of `rank` against
+/// its stall fault: true (and the fault is gone) at the `nth` call since
+/// the fault was added.
+pub(crate) fn take_stall(rank: i32) -> bool {
     with(|l| {
         let Some(i) = l
             .iter()
-            .position(|e| e.rank == rank && e.fault == Fault::Stall && e.nth == nth)
+            .position(|e| e.rank == rank && e.fault == Fault::Stall)
         else {
             return false;
         };
+        if l[i].nth > 1 {
+            l[i].nth -= 1;
+            return false;
+        }
         l.remove(i);
         true
     })

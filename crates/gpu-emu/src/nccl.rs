@@ -643,8 +643,6 @@ struct Comm {
     seq: AtomicU64,
     ops: AtomicU64,
     split_seq: AtomicU64,
-    /// Enqueue calls of a blocking communicator (for the `stall` fault).
-    calls: AtomicU64,
     /// Children of a split still waiting for their peers: aborting this
     /// communicator aborts them too (NCCL's `childAbortFlag`).
     splitting: Mutex<Vec<Arc<Comm>>>,
@@ -667,7 +665,6 @@ impl Comm {
             seq: AtomicU64::new(0),
             ops: AtomicU64::new(0),
             split_seq: AtomicU64::new(0),
-            calls: AtomicU64::new(0),
             splitting: Mutex::new(Vec::new()),
             connected: AtomicBool::new(false),
             st: Mutex::new(CommSt {
@@ -716,9 +713,8 @@ impl Comm {
         if !self.blocking {
             return Ok(());
         }
-        let nth = self.calls.fetch_add(1, Ordering::AcqRel) + 1;
         let rank = self.st.lock().rank;
-        if fault::take_stall(rank, nth) {
+        if fault::take_stall(rank) {
             self.wait_aborted();
             return fail(
                 ncclResult_t::ncclInternalError,

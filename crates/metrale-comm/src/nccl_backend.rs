@@ -760,22 +760,16 @@ impl Inner {
         if self.health.is_poisoned() {
             return;
         }
-        // A call stuck inside NCCL on a blocking communicator: poisoning
-        // aborts the communicator, which makes NCCL return from it.
+        // A call stuck inside NCCL on a blocking communicator counts as
+        // timed out too: poisoning aborts the communicator, which makes NCCL
+        // return from it.
         let stuck = *self.in_call.lock();
-        if let Some((op, seq, since)) = stuck
-            && now.saturating_duration_since(since) >= self.config.collective_timeout
-        {
-            self.poison(
-                op,
-                seq,
-                FailureKind::Timeout {
-                    after: self.config.collective_timeout,
-                },
-            );
-            return;
-        }
-        if let Some((op, seq)) = expired {
+        let stuck = stuck
+            .filter(|&(_, _, since)| {
+                now.saturating_duration_since(since) >= self.config.collective_timeout
+            })
+            .map(|(op, seq, _)| (op, seq));
+        if let Some((op, seq)) = stuck.or(expired) {
             self.poison(
                 op,
                 seq,

@@ -57,22 +57,20 @@ fn random_f32(n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-100.0f32..100.0)).collect()
 }
 
-#[test]
-fn two_rank_all_reduce_sums_every_element() {
-    setup();
-    assert!(device_count().unwrap() >= 2);
-    const N: usize = 1000;
+/// Two ranks, each with the communicator `join` makes, all-reduce `n`
+/// random f32 into a poisoned buffer; every element must be the sum.
+fn two_rank_all_reduce(n: usize, join: fn(&Arc<Context>, &UniqueId, usize) -> Comm) {
     let id = UniqueId::new().unwrap();
-    let inputs: Arc<Vec<Vec<f32>>> = Arc::new((0..2).map(|_| random_f32(N)).collect());
+    let inputs: Arc<Vec<Vec<f32>>> = Arc::new((0..2).map(|_| random_f32(n)).collect());
     let outputs = {
         let inputs = Arc::clone(&inputs);
         ranks(2, move |rank| {
             let ctx = Context::new(rank).unwrap();
             let stream = Stream::new(&ctx).unwrap();
-            let comm = Comm::init_rank(&ctx, &id, 2, rank).unwrap();
+            let comm = join(&ctx, &id, rank);
             assert_eq!((comm.rank(), comm.count(), comm.device()), (rank, 2, rank));
             let send = DeviceBuffer::from_host(&ctx, &inputs[rank]).unwrap();
-            let mut recv = DeviceBuffer::<f32>::alloc(&ctx, N).unwrap();
+            let mut recv = DeviceBuffer::<f32>::alloc(&ctx, n).unwrap();
             recv.fill_bytes(0xff).unwrap();
             comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &stream)
                 .unwrap();
@@ -91,6 +89,15 @@ fn two_rank_all_reduce_sums_every_element() {
             );
         }
     }
+}
+
+#[test]
+fn two_rank_all_reduce_sums_every_element() {
+    setup();
+    assert!(device_count().unwrap() >= 2);
+    two_rank_all_reduce(1000, |ctx, id, rank| {
+        Comm::init_rank(ctx, id, 2, rank).unwrap()
+    });
 }
 
 #[test]
@@ -250,34 +257,12 @@ fn init_misses_its_deadline_when_a_rank_never_joins() {
 #[test]
 fn into_blocking_keeps_ranks_and_sums_every_element() {
     setup();
-    const N: usize = 333;
-    let id = UniqueId::new().unwrap();
-    let inputs: Arc<Vec<Vec<f32>>> = Arc::new((0..2).map(|_| random_f32(N)).collect());
-    let outputs = {
-        let inputs = Arc::clone(&inputs);
-        ranks(2, move |rank| {
-            let ctx = Context::new(rank).unwrap();
-            let stream = Stream::new(&ctx).unwrap();
-            let parent = Comm::init_rank_with_deadline(&ctx, &id, 2, rank, WAIT).unwrap();
-            let comm = parent.into_blocking(WAIT).unwrap();
-            assert!(!comm.is_nonblocking());
-            assert_eq!((comm.rank(), comm.count(), comm.device()), (rank, 2, rank));
-            let send = DeviceBuffer::from_host(&ctx, &inputs[rank]).unwrap();
-            let mut recv = DeviceBuffer::<f32>::alloc(&ctx, N).unwrap();
-            recv.fill_bytes(0xff).unwrap();
-            comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &stream)
-                .unwrap();
-            stream.wait_until_idle(WAIT).unwrap();
-            comm.async_error().unwrap();
-            recv.to_host_vec().unwrap()
-        })
-    };
-    for out in outputs {
-        for (i, got) in out.iter().enumerate() {
-            let want = inputs[0][i] + inputs[1][i];
-            assert_eq!(got.to_bits(), want.to_bits(), "element {i}");
-        }
-    }
+    two_rank_all_reduce(333, |ctx, id, rank| {
+        let parent = Comm::init_rank_with_deadline(ctx, id, 2, rank, WAIT).unwrap();
+        let comm = parent.into_blocking(WAIT).unwrap();
+        assert!(!comm.is_nonblocking());
+        comm
+    });
 }
 
 #[test]

@@ -183,8 +183,8 @@ pub fn blocking_stall(ctx: &RankCtx) -> anyhow::Result<()> {
     )?;
     all_reduce_ok(ctx, &b, 4)?;
     if ctx.rank == 0 {
-        // The warm-up was this communicator's first enqueue call.
-        emu.inject(0, Fault::Stalls, 2)?;
+        // The next enqueue call stalls.
+        emu.inject(0, Fault::Stalls, 1)?;
         let buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
         ctx.step("all_reduce stuck inside NCCL");
         let t = Instant::now();
