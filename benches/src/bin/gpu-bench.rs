@@ -663,18 +663,10 @@ impl Rank {
     }
 
     /// Rewrites the first `bytes` of `a` (all of it for `usize::MAX`) with
-    /// this rank's random data and waits until the copy
-    /// has landed: a copy from pageable memory may return before its DMA
-    /// completes, and the non-blocking streams the operations run on do not
-    /// wait for the legacy stream it runs on.
+    /// this rank's random data; the copy has landed when this returns.
     fn refill(&mut self, bytes: usize) -> anyhow::Result<()> {
         let n = (bytes / 2).clamp(1, self.a.len());
         self.a.copy_prefix_from_host(&self.host[..n])?;
-        // SAFETY: the null handle is the legacy default stream of the
-        // current context, which lives as long as the context.
-        let legacy = unsafe { Stream::borrowed(&self.ctx, std::ptr::null_mut()) };
-        self.ctx.make_current()?;
-        legacy.wait_until_idle(WAIT)?;
         Ok(())
     }
 }

@@ -548,10 +548,12 @@ impl Comm {
     ///
     /// Rank 0 draws a fresh unique id and broadcasts it over this
     /// communicator (which also shows that every rank got here), then every
-    /// rank joins a blocking communicator with it on a helper thread, which
-    /// also connects it (see `connect_now`), and this one is dropped. The whole exchange is bounded by `timeout`: on
-    /// a miss, this communicator is aborted and [`Error::Timeout`] is
-    /// returned. A rank that dies after the broadcast leaves its peers'
+    /// rank joins a blocking communicator with it on a helper thread and
+    /// makes NCCL connect it there (all-reduces at three sizes and, with two
+    /// ranks, a send/recv with the peer), so that no later call sets up a
+    /// connection inside a CUDA graph capture; then this communicator is
+    /// dropped. The whole exchange is bounded by `timeout`: on a miss, this
+    /// communicator is aborted and [`Error::Timeout`] is returned. A rank that dies after the broadcast leaves its peers'
     /// helper threads blocked inside `ncclCommInitRank` until NCCL gives
     /// up; the callers still get their error at the deadline. A blocking
     /// communicator is returned as it is.
@@ -569,7 +571,11 @@ impl Comm {
             },
             other => other,
         };
-        let id = match self.share_unique_id(timeout) {
+        // Declared before the exchange so that, on a failure, they are
+        // dropped only after the abort has ended a broadcast still running.
+        let stream = Stream::new(&self.ctx)?;
+        let mut buf = DeviceBuffer::<u8>::alloc(&self.ctx, 128)?;
+        let id = match self.share_unique_id(&stream, &mut buf, timeout) {
             Ok(id) => id,
             Err(e) => {
                 if let Err(abort) = self.abort() {
@@ -654,16 +660,21 @@ impl Comm {
     }
 
     /// Rank 0's fresh unique id, broadcast to every rank over this
-    /// communicator; waits at most `timeout` for the broadcast.
-    fn share_unique_id(&self, timeout: Duration) -> Result<UniqueId> {
-        let stream = Stream::new(&self.ctx)?;
+    /// communicator through `buf` (128 bytes) on `stream`; waits at most
+    /// `timeout` for the broadcast.
+    fn share_unique_id(
+        &self,
+        stream: &Stream,
+        buf: &mut DeviceBuffer<u8>,
+        timeout: Duration,
+    ) -> Result<UniqueId> {
         let bytes = if self.rank == 0 {
             *UniqueId::new()?.as_bytes()
         } else {
             [0u8; 128]
         };
-        let mut buf = DeviceBuffer::from_host(&self.ctx, &bytes)?;
-        self.broadcast_in_place(&mut buf, 0, &stream)?;
+        buf.copy_from_host(&bytes)?;
+        self.broadcast_in_place(buf, 0, stream)?;
         stream.wait_until_idle(timeout)?;
         self.async_error()?;
         let mut out = [0u8; 128];

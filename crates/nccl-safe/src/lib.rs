@@ -52,7 +52,7 @@ pub use driver::{
 };
 pub use error::{CudaError, Error, NcclCode, NcclError, Result, cuda_check, nccl_check};
 pub use group::{Group, group};
-pub use memory::{DataType, DeviceBuffer, Element};
+pub use memory::{COPY_DEADLINE, DataType, DeviceBuffer, Element};
 pub use module::{Function, Module, launch_raw};
 pub use registration::{RegisteredBuffer, SymmetricBuffer, Window, nccl_version};
 pub use stream::{Event, Graph, GraphExec, Stream};

@@ -6,16 +6,24 @@
 //!   `len * DataType::size()` bytes.
 //! - A [`DeviceBuffer`] owns its `cuMemAlloc` allocation and frees it once, on
 //!   drop; an empty buffer allocates nothing and has address 0.
-//! - Host copies check lengths before calling the driver.
+//! - Host copies check lengths before calling the driver, and a copy to the
+//!   device has landed when it returns (a copy from pageable memory may
+//!   otherwise still be in flight, and work on non-blocking streams does not
+//!   wait for it).
 
 use std::marker::PhantomData;
 use std::sync::Arc;
+use std::time::Duration;
 
 use cuda_sys::CUdeviceptr;
 use nccl_sys::ncclDataType_t;
 
 use crate::driver::Context;
 use crate::error::{Error, Result};
+use crate::stream::Stream;
+
+/// How long a copy to the device may take to land.
+pub const COPY_DEADLINE: Duration = Duration::from_secs(60);
 
 /// NCCL's element types that this crate supports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -188,6 +196,16 @@ impl<T: Element> DeviceBuffer<T> {
         Ok(buf)
     }
 
+    /// Waits, at most [`COPY_DEADLINE`], until copies from the host have
+    /// landed: `cuMemcpyHtoD` from pageable memory may return while its DMA
+    /// is still queued on the legacy stream.
+    fn landed(&self) -> Result<()> {
+        // SAFETY: the null handle is the legacy default stream of this
+        // buffer's context, which lives as long as the context.
+        let legacy = unsafe { Stream::borrowed(&self.ctx, std::ptr::null_mut()) };
+        legacy.wait_until_idle(COPY_DEADLINE)
+    }
+
     /// Copies `data` into the buffer; `data.len()` must equal `self.len()`.
     pub fn copy_from_host(&mut self, data: &[T]) -> Result<()> {
         if data.len() != self.len {
@@ -207,7 +225,8 @@ impl<T: Element> DeviceBuffer<T> {
         let (dst, src, bytes) = (self.ptr, data.as_ptr().cast(), self.bytes());
         // SAFETY: `src` is `bytes` readable host bytes and `dst` is this
         // buffer's allocation of `bytes` bytes; the context is current.
-        unsafe { cu!(cuMemcpyHtoD_v2(dst, src, bytes)) }
+        unsafe { cu!(cuMemcpyHtoD_v2(dst, src, bytes)) }?;
+        self.landed()
     }
 
     /// Copies `data` into the first `data.len()` elements of the buffer;
@@ -231,7 +250,8 @@ impl<T: Element> DeviceBuffer<T> {
         // SAFETY: `src` is `bytes` readable host bytes and `dst` is this
         // buffer's allocation of at least `bytes` bytes; the context is
         // current.
-        unsafe { cu!(cuMemcpyHtoD_v2(dst, src, bytes)) }
+        unsafe { cu!(cuMemcpyHtoD_v2(dst, src, bytes)) }?;
+        self.landed()
     }
 
     /// Copies the buffer into `out`; `out.len()` must equal `self.len()`.
