@@ -295,6 +295,39 @@ fn into_blocking_times_out_when_a_peer_never_comes() {
 }
 
 #[test]
+fn abort_releases_a_blocking_split_waiting_for_a_peer() {
+    setup();
+    let id = UniqueId::new().unwrap();
+    let results = ranks(2, move |rank| {
+        let ctx = Context::new(rank).unwrap();
+        let comm = Comm::init_rank(&ctx, &id, 2, rank).unwrap();
+        if rank == 1 {
+            // Never splits; outlives rank 0's abort.
+            std::thread::sleep(Duration::from_secs(1));
+            return None;
+        }
+        let abort = comm.abort_handle();
+        let (tx, rx) = std::sync::mpsc::channel();
+        // The split runs on its own thread so that a split the abort does
+        // not release fails this test instead of hanging it.
+        std::thread::spawn(move || {
+            let r = comm.split(Some(0), 0).map(|c| c.is_some());
+            let _ = tx.send(r);
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        abort.abort().unwrap();
+        Some(rx.recv_timeout(Duration::from_secs(5)))
+    });
+    match results[0].as_ref().expect("rank 0 result") {
+        Ok(r) => assert!(
+            r.is_err(),
+            "the split returned {r:?} after its parent's abort"
+        ),
+        Err(_) => panic!("the abort did not release the split within 5 s"),
+    }
+}
+
+#[test]
 fn split_groups_ranks_by_color() {
     setup();
     const R: usize = 4;
