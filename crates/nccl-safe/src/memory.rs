@@ -208,33 +208,25 @@ impl<T: Element> DeviceBuffer<T> {
 
     /// Copies `data` into the buffer; `data.len()` must equal `self.len()`.
     pub fn copy_from_host(&mut self, data: &[T]) -> Result<()> {
-        if data.len() != self.len {
-            return Err(Error::invalid(
-                "DeviceBuffer::copy_from_host",
-                format!(
-                    "host slice has {} elements, buffer has {}",
-                    data.len(),
-                    self.len
-                ),
-            ));
-        }
-        if self.len == 0 {
-            return Ok(());
-        }
-        self.ctx.make_current()?;
-        let (dst, src, bytes) = (self.ptr, data.as_ptr().cast(), self.bytes());
-        // SAFETY: `src` is `bytes` readable host bytes and `dst` is this
-        // buffer's allocation of `bytes` bytes; the context is current.
-        unsafe { cu!(cuMemcpyHtoD_v2(dst, src, bytes)) }?;
-        self.landed()
+        self.write_prefix("DeviceBuffer::copy_from_host", data, data.len() == self.len)
     }
 
     /// Copies `data` into the first `data.len()` elements of the buffer;
     /// the rest is left as it is. `data.len()` must not exceed `self.len()`.
     pub fn copy_prefix_from_host(&mut self, data: &[T]) -> Result<()> {
-        if data.len() > self.len {
+        self.write_prefix(
+            "DeviceBuffer::copy_prefix_from_host",
+            data,
+            data.len() <= self.len,
+        )
+    }
+
+    /// The host-to-device copy behind both: refuses unless `fits`, then
+    /// copies `data` to the start of the buffer and waits until it landed.
+    fn write_prefix(&mut self, call: &'static str, data: &[T], fits: bool) -> Result<()> {
+        if !fits || data.len() > self.len {
             return Err(Error::invalid(
-                "DeviceBuffer::copy_prefix_from_host",
+                call,
                 format!(
                     "host slice has {} elements, buffer has {}",
                     data.len(),
@@ -248,8 +240,8 @@ impl<T: Element> DeviceBuffer<T> {
         self.ctx.make_current()?;
         let (dst, src, bytes) = (self.ptr, data.as_ptr().cast(), size_of_val(data));
         // SAFETY: `src` is `bytes` readable host bytes and `dst` is this
-        // buffer's allocation of at least `bytes` bytes; the context is
-        // current.
+        // buffer's allocation of at least `bytes` bytes (checked above); the
+        // context is current.
         unsafe { cu!(cuMemcpyHtoD_v2(dst, src, bytes)) }?;
         self.landed()
     }
