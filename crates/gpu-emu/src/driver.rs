@@ -76,11 +76,13 @@ fn ctx_device(ctx: CUcontext) -> Option<i32> {
     valid_device(dev).then_some(dev)
 }
 
-fn code(r: Result<(), CUresult>) -> CUresult {
+/// The driver return code of `r`.
+pub(crate) fn code(r: Result<(), CUresult>) -> CUresult {
     r.err().unwrap_or(CUresult::CUDA_SUCCESS)
 }
 
-fn check_init() -> Result<(), CUresult> {
+/// `CUDA_ERROR_NOT_INITIALIZED` until `cuInit` has run.
+pub(crate) fn check_init() -> Result<(), CUresult> {
     if initialized() {
         Ok(())
     } else {

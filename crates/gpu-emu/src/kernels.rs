@@ -13,6 +13,7 @@ use std::sync::Arc;
 use cuda_sys::{CUfunction, CUmodule, CUresult, CUstream};
 use half::bf16;
 
+use crate::driver::{check_init, code};
 use crate::memory::range_ok;
 use crate::stream::{self, Launcher};
 use crate::{Table, driver, guard, id_to_ptr, ptr_to_id, put};
@@ -74,18 +75,6 @@ unsafe fn bf16_add(dst: u64, src: u64, n: usize) {
             d.add(i)
                 .write_unaligned(bf16::from_f32(a.to_f32() + b.to_f32()));
         }
-    }
-}
-
-fn code(r: Result<(), CUresult>) -> CUresult {
-    r.err().unwrap_or(CUresult::CUDA_SUCCESS)
-}
-
-fn check_init() -> Result<(), CUresult> {
-    if driver::initialized() {
-        Ok(())
-    } else {
-        Err(CUresult::CUDA_ERROR_NOT_INITIALIZED)
     }
 }
 

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use cuda_sys::{CUdeviceptr, CUresult, CUstream};
 use parking_lot::RwLock;
 
-use crate::driver::{self, TOTAL_MEM};
+use crate::driver::{self, TOTAL_MEM, check_init, code};
 use crate::stream::{self, Launcher};
 use crate::{guard, put};
 
@@ -134,18 +134,6 @@ pub(crate) unsafe fn copy(dst: u64, src: u64, len: usize) {
     // SAFETY: both ranges are valid (this function's contract); `copy` allows
     // overlap.
     unsafe { std::ptr::copy(src as usize as *const u8, dst as usize as *mut u8, len) };
-}
-
-fn check_init() -> Result<(), CUresult> {
-    if driver::initialized() {
-        Ok(())
-    } else {
-        Err(CUresult::CUDA_ERROR_NOT_INITIALIZED)
-    }
-}
-
-fn code(r: Result<(), CUresult>) -> CUresult {
-    r.err().unwrap_or(CUresult::CUDA_SUCCESS)
 }
 
 /// A copy between host and device: validates device ranges now, and

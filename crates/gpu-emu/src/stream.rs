@@ -23,7 +23,7 @@ use cuda_sys::{
 };
 use parking_lot::{Condvar, Mutex};
 
-use crate::driver::{self, current_device};
+use crate::driver::{check_init, code, current_device};
 use crate::{Table, guard, id_to_ptr, ptr_to_id, put};
 
 /// One execution of enqueued work.
@@ -216,18 +216,6 @@ pub(crate) fn sync_device(device: i32) -> Result<(), CUresult> {
         }
     }
     legacy(device)?.wait_idle()
-}
-
-fn code(r: Result<(), CUresult>) -> CUresult {
-    r.err().unwrap_or(CUresult::CUDA_SUCCESS)
-}
-
-fn check_init() -> Result<(), CUresult> {
-    if driver::initialized() {
-        Ok(())
-    } else {
-        Err(CUresult::CUDA_ERROR_NOT_INITIALIZED)
-    }
 }
 
 /// `cuStreamCreate`: a stream of the current device with its own worker.
