@@ -7,13 +7,12 @@
 
 mod common;
 
-use std::ffi::c_void;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use common::*;
 use cuda_sys::{CUresult, CUstream};
-use nccl_sys::{call, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclResult_t};
+use nccl_sys::{call, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclResult_t};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -64,22 +63,14 @@ fn setup(n: usize) -> Vec<Rank> {
 fn all_reduce(r: Rank, data: &[f32]) {
     upload(r.send, data);
     poison(r.recv, 4 * N);
-    // SAFETY: both buffers hold N f32.
-    nck(unsafe {
-        call!(
-            nccl(),
-            ncclAllReduce(
-                r.send as *const c_void,
-                r.recv as *mut c_void,
-                N,
-                ncclDataType_t::ncclFloat32,
-                ncclRedOp_t::ncclSum,
-                r.comm(),
-                r.stream()
-            )
-        )
-    }
-    .unwrap());
+    nck(all_reduce_sum(
+        r.send,
+        r.recv,
+        N,
+        ncclDataType_t::ncclFloat32,
+        r.comm(),
+        r.stream(),
+    ));
 }
 
 fn wait_ready(s: CUstream, within: Duration) -> bool {

@@ -47,22 +47,14 @@ fn all_reduce_bf16_two_ranks_matches_the_host() {
         let (send, recv) = (alloc(2 * N), alloc(2 * N));
         upload(send, &inputs[r]);
         poison(recv, 2 * N);
-        // SAFETY: both buffers hold N bf16.
-        nck(unsafe {
-            call!(
-                nccl(),
-                ncclAllReduce(
-                    send as *const c_void,
-                    recv as *mut c_void,
-                    N,
-                    ncclDataType_t::ncclBfloat16,
-                    ncclRedOp_t::ncclSum,
-                    comm,
-                    s
-                )
-            )
-        }
-        .unwrap());
+        nck(all_reduce_sum(
+            send,
+            recv,
+            N,
+            ncclDataType_t::ncclBfloat16,
+            comm,
+            s,
+        ));
         sync(s);
         let got = download::<bf16>(recv, N);
         for i in 0..N {
@@ -70,22 +62,14 @@ fn all_reduce_bf16_two_ranks_matches_the_host() {
         }
         // In place: the output replaces the input.
         upload(recv, &inputs[r]);
-        // SAFETY: the buffer holds N bf16.
-        nck(unsafe {
-            call!(
-                nccl(),
-                ncclAllReduce(
-                    recv as *const c_void,
-                    recv as *mut c_void,
-                    N,
-                    ncclDataType_t::ncclBfloat16,
-                    ncclRedOp_t::ncclSum,
-                    comm,
-                    s
-                )
-            )
-        }
-        .unwrap());
+        nck(all_reduce_sum(
+            recv,
+            recv,
+            N,
+            ncclDataType_t::ncclBfloat16,
+            comm,
+            s,
+        ));
         sync(s);
         assert_eq!(download::<bf16>(recv, N), want, "in place, rank {r}");
         nck(destroy(comm));
@@ -238,22 +222,7 @@ fn nonblocking_init_with_a_missing_rank_then_abort() {
     assert_eq!(async_error(comm), ncclResult_t::ncclInProgress);
     let buf = alloc(64);
     let s = stream();
-    // SAFETY: the buffer holds 16 f32.
-    let r = unsafe {
-        call!(
-            nccl(),
-            ncclAllReduce(
-                buf as *const c_void,
-                buf as *mut c_void,
-                16,
-                ncclDataType_t::ncclFloat32,
-                ncclRedOp_t::ncclSum,
-                comm,
-                s
-            )
-        )
-    }
-    .unwrap();
+    let r = all_reduce_sum(buf, buf, 16, ncclDataType_t::ncclFloat32, comm, s);
     assert_eq!(
         r,
         ncclResult_t::ncclInvalidArgument,
@@ -339,19 +308,7 @@ fn bad_arguments_are_refused() {
     let s = stream();
     // SAFETY: the buffer holds 64 bytes; the counts overrun it on purpose.
     unsafe {
-        let r = call!(
-            nccl(),
-            ncclAllReduce(
-                buf as *const c_void,
-                buf as *mut c_void,
-                17,
-                ncclDataType_t::ncclFloat32,
-                ncclRedOp_t::ncclSum,
-                comm,
-                s
-            )
-        )
-        .unwrap();
+        let r = all_reduce_sum(buf, buf, 17, ncclDataType_t::ncclFloat32, comm, s);
         assert_eq!(r, ncclResult_t::ncclInvalidArgument);
         let r = call!(
             nccl(),
@@ -367,34 +324,10 @@ fn bad_arguments_are_refused() {
         )
         .unwrap();
         assert_eq!(r, ncclResult_t::ncclInvalidArgument, "root out of range");
-        let r = call!(
-            nccl(),
-            ncclAllReduce(
-                buf as *const c_void,
-                buf as *mut c_void,
-                4,
-                ncclDataType_t::ncclFloat8e4m3,
-                ncclRedOp_t::ncclSum,
-                comm,
-                s
-            )
-        )
-        .unwrap();
+        let r = all_reduce_sum(buf, buf, 4, ncclDataType_t::ncclFloat8e4m3, comm, s);
         assert_eq!(r, ncclResult_t::ncclInvalidArgument, "fp8");
         // A count of zero is a no-op, even with a null buffer.
-        let r = call!(
-            nccl(),
-            ncclAllReduce(
-                std::ptr::null(),
-                std::ptr::null_mut(),
-                0,
-                ncclDataType_t::ncclFloat32,
-                ncclRedOp_t::ncclSum,
-                comm,
-                s
-            )
-        )
-        .unwrap();
+        let r = all_reduce_sum(0, 0, 0, ncclDataType_t::ncclFloat32, comm, s);
         assert_eq!(r, ncclResult_t::ncclSuccess);
     }
     nck(destroy(comm));
@@ -483,22 +416,14 @@ fn split_by_parity() {
         let (send, recv) = (alloc(256), alloc(256));
         upload(send, &inputs[r]);
         poison(recv, 256);
-        // SAFETY: both buffers hold 64 i32.
-        nck(unsafe {
-            call!(
-                nccl(),
-                ncclAllReduce(
-                    send as *const c_void,
-                    recv as *mut c_void,
-                    64,
-                    ncclDataType_t::ncclInt32,
-                    ncclRedOp_t::ncclSum,
-                    child,
-                    s
-                )
-            )
-        }
-        .unwrap());
+        nck(all_reduce_sum(
+            send,
+            recv,
+            64,
+            ncclDataType_t::ncclInt32,
+            child,
+            s,
+        ));
         sync(s);
         let got = download::<i32>(recv, 64);
         for i in 0..64 {
@@ -553,32 +478,6 @@ fn nonblocking_pair() -> [ncclComm_t; 2] {
         nck(settle(c));
     }
     comms
-}
-
-/// `ncclAllReduce` of `n` f32 (sum), returning NCCL's code.
-fn all_reduce_f32(
-    send: u64,
-    recv: u64,
-    n: usize,
-    c: ncclComm_t,
-    s: cuda_sys::CUstream,
-) -> ncclResult_t {
-    // SAFETY: the caller's buffers hold `n` f32.
-    unsafe {
-        call!(
-            nccl(),
-            ncclAllReduce(
-                send as *const c_void,
-                recv as *mut c_void,
-                n,
-                ncclDataType_t::ncclFloat32,
-                ncclRedOp_t::ncclSum,
-                c,
-                s
-            )
-        )
-    }
-    .unwrap()
 }
 
 /// A grouped send to and recv from the peer of `n` bf16.
@@ -668,7 +567,7 @@ fn nonblocking_all_reduce_is_enqueued_in_the_background() {
     // The first collective waits for the peer (lazy connection).
     let (s0, send0, recv0) = bufs[0];
     assert_eq!(
-        all_reduce_f32(send0, recv0, N, comms[0], s0),
+        all_reduce_sum(send0, recv0, N, ncclDataType_t::ncclFloat32, comms[0], s0),
         ncclResult_t::ncclInProgress
     );
     std::thread::sleep(Duration::from_millis(30));
@@ -677,7 +576,7 @@ fn nonblocking_all_reduce_is_enqueued_in_the_background() {
     assert!(download::<u8>(recv0, 4 * N).iter().all(|b| *b == 0x7F));
     let (s1, send1, recv1) = bufs[1];
     assert_eq!(
-        all_reduce_f32(send1, recv1, N, comms[1], s1),
+        all_reduce_sum(send1, recv1, N, ncclDataType_t::ncclFloat32, comms[1], s1),
         ncclResult_t::ncclInProgress
     );
     for c in comms {
@@ -694,7 +593,7 @@ fn nonblocking_all_reduce_is_enqueued_in_the_background() {
     for (r, &(s, _, recv)) in bufs.iter().enumerate() {
         upload(recv, &inputs[1 - r]);
         assert_eq!(
-            all_reduce_f32(recv, recv, N, comms[r], s),
+            all_reduce_sum(recv, recv, N, ncclDataType_t::ncclFloat32, comms[r], s),
             ncclResult_t::ncclInProgress
         );
     }
@@ -850,7 +749,7 @@ fn a_call_during_a_pending_enqueue_is_refused_and_abort_releases_it() {
     );
     assert_eq!(query(s), CUresult::CUDA_SUCCESS, "not on the stream yet");
     assert_eq!(
-        all_reduce_f32(buf, buf, N, comms[0], s),
+        all_reduce_sum(buf, buf, N, ncclDataType_t::ncclFloat32, comms[0], s),
         ncclResult_t::ncclInvalidUsage,
         "a call while the previous one is pending"
     );

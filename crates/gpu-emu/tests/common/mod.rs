@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use cuda_sys::{CUcontext, CUdeviceptr, CUresult, CUstream, Cuda};
-use nccl_sys::{Nccl, ncclComm_t, ncclResult_t, ncclUniqueId};
+use nccl_sys::{Nccl, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclUniqueId};
 
 /// `target/debug/deps/libgpu_emu.so`, next to the test binary.
 pub fn libpath() -> PathBuf {
@@ -216,6 +216,36 @@ pub fn abort(c: ncclComm_t) -> ncclResult_t {
 pub fn destroy(c: ncclComm_t) -> ncclResult_t {
     // SAFETY: `c` is a communicator handle.
     unsafe { nccl_sys::call!(nccl(), ncclCommDestroy(c)) }.unwrap()
+}
+
+/// `ncclAllReduce` (sum) of `n` elements of `dt`, returning NCCL's code.
+/// The emulator checks both addresses against its allocations, so a bad
+/// one is an error code, not undefined behaviour.
+pub fn all_reduce_sum(
+    send: CUdeviceptr,
+    recv: CUdeviceptr,
+    n: usize,
+    dt: ncclDataType_t,
+    c: ncclComm_t,
+    s: CUstream,
+) -> ncclResult_t {
+    // SAFETY: the emulator validates `send` and `recv` against its live
+    // allocations before it touches them.
+    unsafe {
+        nccl_sys::call!(
+            nccl(),
+            ncclAllReduce(
+                send as *const c_void,
+                recv as *mut c_void,
+                n,
+                dt,
+                ncclRedOp_t::ncclSum,
+                c,
+                s
+            )
+        )
+    }
+    .unwrap()
 }
 
 /// The last-error text of `c`.
