@@ -42,7 +42,9 @@ use crate::error::{CommError, Failure, FailureKind};
 use crate::health::Health;
 use crate::kernels;
 use crate::rendezvous::{EnvConfig, FixedIdRendezvous, Rendezvous, TcpRendezvous};
-use crate::validate::{check_alloc, check_buffer, check_function, check_rank, check_register};
+use crate::validate::{
+    check_alloc, check_buffer, check_function, check_rank, check_register, per_world,
+};
 
 /// Which algorithm an all-reduce takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1100,12 +1102,7 @@ impl CommBackend for NcclBackend {
     unsafe fn all_gather(&self, send_ptr: u64, recv_ptr: u64, bytes: usize) -> Result<()> {
         const OP: &str = "all_gather";
         check_buffer(OP, "send buffer", send_ptr, bytes, 1)?;
-        let total = bytes
-            .checked_mul(self.inner.world_size)
-            .ok_or(CommError::InvalidArgument {
-                op: OP,
-                reason: "bytes * world_size overflows".into(),
-            })?;
+        let total = per_world(OP, bytes, self.inner.world_size)?;
         check_buffer(OP, "receive buffer", recv_ptr, total, 1)?;
         if bytes == 0 {
             return self.inner.check_usable(OP);
@@ -1144,13 +1141,7 @@ impl CommBackend for NcclBackend {
         const OP: &str = "reduce_scatter";
         let elem = dtype.size();
         check_buffer(OP, "receive buffer", recv_ptr, recv_bytes, elem)?;
-        let total =
-            recv_bytes
-                .checked_mul(self.inner.world_size)
-                .ok_or(CommError::InvalidArgument {
-                    op: OP,
-                    reason: "bytes * world_size overflows".into(),
-                })?;
+        let total = per_world(OP, recv_bytes, self.inner.world_size)?;
         check_buffer(OP, "send buffer", send_ptr, total, elem)?;
         if recv_bytes == 0 {
             return self.inner.check_usable(OP);

@@ -34,6 +34,17 @@ pub fn check_buffer(
     Ok(())
 }
 
+/// `bytes * world_size`, the size of a buffer that holds every rank's part,
+/// or an error when it overflows.
+pub fn per_world(op: &'static str, bytes: usize, world_size: usize) -> Result<usize> {
+    bytes
+        .checked_mul(world_size)
+        .ok_or(CommError::InvalidArgument {
+            op,
+            reason: "bytes * world_size overflows".into(),
+        })
+}
+
 pub fn check_rank(op: &'static str, what: &str, r: usize, world_size: usize) -> Result<()> {
     if r >= world_size {
         return Err(CommError::InvalidArgument {
