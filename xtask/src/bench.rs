@@ -13,9 +13,7 @@
 //! Invariant: the NCCL environment is passed through as given; nothing here
 //! sets or alters `NCCL_*` variables.
 
-use std::path::{Path, PathBuf};
-
-use anyhow::Context as _;
+use std::path::Path;
 
 use crate::gpu_box;
 
@@ -34,35 +32,28 @@ See docs/benchmarks.md.
 
 /// Runs the subcommand.
 pub fn run(args: &[String]) -> anyhow::Result<i32> {
-    let mut bundle: Option<PathBuf> = None;
-    let mut pass: Vec<String> = Vec::new();
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--help" | "-h" => {
-                print!("{HELP}");
-                return Ok(0);
-            }
-            "--bundle" => {
-                let dir = it.next().context("--bundle needs a directory")?;
-                bundle = Some(PathBuf::from(dir));
-            }
-            "--crossover" => pass.push(a.clone()),
-            "--out" | "--min" | "--max" | "--factor" | "--trials" | "--ops" | "--modes"
-            | "--enqueue" => {
-                let v = it.next().with_context(|| format!("{a} needs a value"))?;
-                pass.push(a.clone());
-                pass.push(if a == "--out" {
-                    absolute(v)?
-                } else {
-                    v.clone()
-                });
-            }
-            other => {
-                eprintln!("bench: unknown option `{other}`");
-                eprint!("{HELP}");
-                return Ok(2);
-            }
+    let (bundle, mut pass) = match gpu_box::parse_cli(
+        "bench",
+        HELP,
+        &["--crossover"],
+        &[
+            "--out",
+            "--min",
+            "--max",
+            "--factor",
+            "--trials",
+            "--ops",
+            "--modes",
+            "--enqueue",
+        ],
+        args,
+    )? {
+        gpu_box::Cli::Exit(code) => return Ok(code),
+        gpu_box::Cli::Run { bundle, pass } => (bundle, pass),
+    };
+    for i in 1..pass.len() {
+        if pass[i - 1] == "--out" {
+            pass[i] = absolute(&pass[i])?;
         }
     }
     gpu_box::GpuProgram {

@@ -76,6 +76,58 @@ pub fn write_bundle(
     Ok(())
 }
 
+/// What a GPU subcommand's command line asks for.
+pub enum Cli {
+    /// Exit at once with this status (`--help`: 0, an unknown option: 2).
+    Exit(i32),
+    /// Run, or write the bundle to `bundle`, passing `pass` on.
+    Run {
+        /// `--bundle DIR`.
+        bundle: Option<PathBuf>,
+        /// The options for the program, in order.
+        pass: Vec<String>,
+    },
+}
+
+/// Parses a GPU subcommand's options: `--help`, `--bundle DIR`, the
+/// `flags` (no value) and the `valued` options (one value each), which are
+/// passed on; anything else prints `help` and exits 2.
+pub fn parse_cli(
+    tool: &str,
+    help: &str,
+    flags: &[&str],
+    valued: &[&str],
+    args: &[String],
+) -> anyhow::Result<Cli> {
+    let mut bundle: Option<PathBuf> = None;
+    let mut pass: Vec<String> = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--help" | "-h" => {
+                print!("{help}");
+                return Ok(Cli::Exit(0));
+            }
+            "--bundle" => {
+                let dir = it.next().context("--bundle needs a directory")?;
+                bundle = Some(PathBuf::from(dir));
+            }
+            f if flags.contains(&f) => pass.push(a.clone()),
+            v if valued.contains(&v) => {
+                let value = it.next().with_context(|| format!("{a} needs a value"))?;
+                pass.push(a.clone());
+                pass.push(value.clone());
+            }
+            other => {
+                eprintln!("{tool}: unknown option `{other}`");
+                eprint!("{help}");
+                return Ok(Cli::Exit(2));
+            }
+        }
+    }
+    Ok(Cli::Run { bundle, pass })
+}
+
 /// A release binary that runs on a GPU box: built and run here, or written
 /// into a bundle for a box without Rust.
 pub struct GpuProgram {

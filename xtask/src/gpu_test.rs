@@ -10,10 +10,6 @@
 //! Invariant: the NCCL environment is passed through as given; nothing here
 //! sets or alters `NCCL_NVLS_ENABLE`.
 
-use std::path::PathBuf;
-
-use anyhow::Context as _;
-
 use crate::gpu_box;
 
 const HELP: &str = "\
@@ -28,31 +24,16 @@ run.sh to DIR instead of running (works without GPUs).
 
 /// Runs the subcommand.
 pub fn run(args: &[String]) -> anyhow::Result<i32> {
-    let mut bundle: Option<PathBuf> = None;
-    let mut pass: Vec<String> = Vec::new();
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--help" | "-h" => {
-                print!("{HELP}");
-                return Ok(0);
-            }
-            "--bundle" => {
-                let dir = it.next().context("--bundle needs a directory")?;
-                bundle = Some(PathBuf::from(dir));
-            }
-            "--gpus" | "--modes" | "--scenarios" | "--timeout" | "--repeat" => {
-                let v = it.next().with_context(|| format!("{a} needs a value"))?;
-                pass.push(a.clone());
-                pass.push(v.clone());
-            }
-            other => {
-                eprintln!("gpu-test: unknown option `{other}`");
-                eprint!("{HELP}");
-                return Ok(2);
-            }
-        }
-    }
+    let (bundle, pass) = match gpu_box::parse_cli(
+        "gpu-test",
+        HELP,
+        &[],
+        &["--gpus", "--modes", "--scenarios", "--timeout", "--repeat"],
+        args,
+    )? {
+        gpu_box::Cli::Exit(code) => return Ok(code),
+        gpu_box::Cli::Run { bundle, pass } => (bundle, pass),
+    };
     gpu_box::GpuProgram {
         tool: "gpu-test",
         package: "comm-suite",
