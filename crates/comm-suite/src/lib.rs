@@ -131,6 +131,18 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// The outcome of a run from its ranks' failures and skip reason: any
+    /// failure fails it, else a skip skips it.
+    pub fn from_ranks(fails: Vec<String>, skip: Option<String>) -> Outcome {
+        if !fails.is_empty() {
+            Outcome::Fail(fails.join("\n"))
+        } else if let Some(s) = skip {
+            Outcome::Skip(s)
+        } else {
+            Outcome::Pass
+        }
+    }
+
     /// `PASS`, `SKIP` or `FAIL`.
     pub fn label(&self) -> &'static str {
         match self {
@@ -394,13 +406,7 @@ pub fn merge(results: Vec<(usize, anyhow::Result<()>)>) -> Outcome {
             },
         }
     }
-    if !fails.is_empty() {
-        Outcome::Fail(fails.join("\n"))
-    } else if let Some(s) = skip {
-        Outcome::Skip(s)
-    } else {
-        Outcome::Pass
-    }
+    Outcome::from_ranks(fails, skip)
 }
 
 static RUN_COUNTER: AtomicU64 = AtomicU64::new(0);

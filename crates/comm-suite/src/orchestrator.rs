@@ -230,13 +230,7 @@ fn collect(dir: &Path, files: &[String], codes: &[i32]) -> Outcome {
             )),
         }
     }
-    if !fails.is_empty() {
-        Outcome::Fail(fails.join("\n"))
-    } else if let Some(s) = skip {
-        Outcome::Skip(s)
-    } else {
-        Outcome::Pass
-    }
+    Outcome::from_ranks(fails, skip)
 }
 
 /// Runs one scenario in one mode as child processes, with the deadline.
