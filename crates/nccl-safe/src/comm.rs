@@ -300,6 +300,17 @@ impl fmt::Debug for Comm {
     }
 }
 
+/// Where `Comm::into_blocking`'s helper thread stands, shared with the
+/// caller waiting for it.
+enum Pending {
+    /// `ncclCommInitRank` has not returned yet.
+    Waiting,
+    /// The blocking communicator exists; this aborts it.
+    Joined(AbortHandle),
+    /// The caller's deadline passed.
+    GaveUp,
+}
+
 /// Aborts a [`Comm`] from any thread.
 #[derive(Clone)]
 pub struct AbortHandle {
@@ -547,16 +558,23 @@ impl Comm {
     /// own.
     ///
     /// Rank 0 draws a fresh unique id and broadcasts it over this
-    /// communicator (which also shows that every rank got here), then every
-    /// rank joins a blocking communicator with it on a helper thread and
+    /// communicator (which also shows that every rank got here); every rank
+    /// then finalizes and destroys this communicator (within
+    /// [`DROP_DEADLINE`]; no rank can issue work on the new communicator
+    /// before all have joined it, so no peer's GPU is waiting for this rank
+    /// while NCCL unmaps the buffers it shares with it). Then every rank
+    /// joins a blocking communicator with the id on a helper thread and
     /// makes NCCL connect it there (all-reduces at three sizes and, with two
     /// ranks, a send/recv with the peer), so that no later call sets up a
-    /// connection inside a CUDA graph capture; then this communicator is
-    /// dropped. The whole exchange is bounded by `timeout`: on a miss, this
-    /// communicator is aborted and [`Error::Timeout`] is returned. A rank that dies after the broadcast leaves its peers'
-    /// helper threads blocked inside `ncclCommInitRank` until NCCL gives
-    /// up; the callers still get their error at the deadline. A blocking
-    /// communicator is returned as it is.
+    /// connection inside a CUDA graph capture. The exchange and the join are
+    /// bounded by `timeout`: on a miss, this communicator (while the
+    /// exchange runs) or the blocking one (once its init has returned; its
+    /// connection work may be on the GPU) is aborted and [`Error::Timeout`]
+    /// is returned. A rank that dies after the broadcast leaves its peers'
+    /// helper threads blocked inside `ncclCommInitRank` until NCCL gives up
+    /// (each aborts its communicator itself when it returns); the callers
+    /// still get their error at the deadline. A blocking communicator is
+    /// returned as it is.
     pub fn into_blocking(mut self, timeout: Duration) -> Result<Comm> {
         const WHAT: &str = "blocking communicator init";
         if !self.nonblocking {
@@ -584,12 +602,40 @@ impl Comm {
                 return Err(timed_out(e));
             }
         };
+        // Every rank has waited for the broadcast, so no work of this
+        // communicator is in flight anywhere. Tear it down now, before any
+        // rank can join the blocking communicator and issue work on it:
+        // NCCL's teardown unmaps buffers that the peers' GPUs can access,
+        // which waits for those GPUs, and a peer already running a kernel
+        // that waits for this rank never goes idle. Tearing it down after
+        // the join left one rank inside this function, past its deadline,
+        // while its peer ran its first collective, on two H200s in one
+        // process.
+        drop(buf);
+        drop(stream);
+        self.finalize_and_destroy()?;
         let (ctx, nranks, rank) = (Arc::clone(&self.ctx), self.count, self.rank);
         let (tx, rx) = mpsc::channel();
+        // The blocking communicator's abort handle once its init returns,
+        // or `GaveUp` once the caller's deadline has passed: whichever
+        // comes second aborts it, so that connection work stuck on the GPU
+        // never outlives the deadline (freeing memory would wait for it).
+        let pending = Arc::new(Mutex::new(Pending::Waiting));
+        let helper_pending = Arc::clone(&pending);
         std::thread::Builder::new()
             .name("nccl-blocking-init".into())
             .spawn(move || {
                 let comm = Comm::init_rank(&ctx, &id, nranks, rank).and_then(|c| {
+                    let handle = c.abort_handle();
+                    let gave_up = {
+                        let mut p = helper_pending.lock();
+                        let gave_up = matches!(*p, Pending::GaveUp);
+                        *p = Pending::Joined(handle.clone());
+                        gave_up
+                    };
+                    if gave_up {
+                        handle.abort()?;
+                    }
                     c.connect_now()?;
                     Ok(c)
                 });
@@ -602,8 +648,11 @@ impl Comm {
         match rx.recv_timeout(timeout.saturating_sub(start.elapsed())) {
             Ok(comm) => comm,
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                if let Err(abort) = self.abort() {
-                    tracing::warn!(error = %abort, "aborting after a blocking init timed out failed");
+                let joined = std::mem::replace(&mut *pending.lock(), Pending::GaveUp);
+                if let Pending::Joined(handle) = joined
+                    && let Err(abort) = handle.abort()
+                {
+                    tracing::warn!(error = %abort, "aborting a blocking communicator stuck connecting failed");
                 }
                 Err(Error::Timeout {
                     what: WHAT,
