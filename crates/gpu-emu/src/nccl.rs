@@ -28,6 +28,10 @@
 //!   meanwhile is `ncclInvalidUsage`. Abort drops the pending work.
 //! - A launched operation counts as in flight until its work runs or is
 //!   dropped.
+//! - `ncclCommDestroy` returns only once no other communicator has work in
+//!   flight on a device of this communicator's peers (NCCL's teardown
+//!   unmaps buffers the peers' devices map, which waits for them), or once
+//!   this communicator is aborted.
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -485,14 +489,18 @@ struct WorldSt {
 /// The ranks of one communicator, once all have joined.
 struct World {
     n: usize,
+    /// Each rank's device.
+    devices: Vec<i32>,
     st: Mutex<WorldSt>,
     cv: Condvar,
 }
 
 impl World {
-    fn new(n: usize) -> Arc<World> {
+    fn new(devices: Vec<i32>) -> Arc<World> {
+        let n = devices.len();
         Arc::new(World {
             n,
+            devices,
             st: Mutex::new(WorldSt {
                 aborted: vec![false; n],
                 launched: vec![0; n],
@@ -841,7 +849,12 @@ fn join(key: [u8; 128], nranks: i32, rank: i32, comm: &Arc<Comm>) -> R<()> {
     *slot = Some(comm.clone());
     if e.members.iter().all(Option::is_some) {
         let members = p.remove(&key).map(|e| e.members).unwrap_or_default();
-        let w = World::new(nranks as usize);
+        let w = World::new(
+            members
+                .iter()
+                .map(|m| m.as_ref().map_or(-1, |m| m.device))
+                .collect(),
+        );
         for (r, m) in members.into_iter().enumerate() {
             if let Some(m) = m {
                 m.set_world(r as i32, nranks, w.clone());
@@ -1798,7 +1811,7 @@ pub unsafe extern "C" fn ncclCommSplit(
                     }
                     for (_, mut members) in by_color {
                         members.sort_by_key(|(k, r, _)| (*k, *r));
-                        let w = World::new(members.len());
+                        let w = World::new(members.iter().map(|(_, _, c)| c.device).collect());
                         let len = members.len() as i32;
                         for (i, (_, _, c)) in members.into_iter().enumerate() {
                             c.set_world(i as i32, len, w.clone());
@@ -1928,8 +1941,9 @@ pub extern "C" fn ncclCommFinalize(comm: ncclComm_t) -> ncclResult_t {
     })
 }
 
-/// `ncclCommDestroy`: waits for the communicator's work, then frees it.
-/// After an abort the handle is already freed: `ncclInvalidUsage`.
+/// `ncclCommDestroy`: waits for the communicator's work, then for the
+/// peers' devices to be idle, then frees it. After an abort the handle is
+/// already freed: `ncclInvalidUsage`.
 #[unsafe(no_mangle)]
 pub extern "C" fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t {
     entry(|| {
@@ -1940,12 +1954,39 @@ pub extern "C" fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t {
                 c.cv.wait_for(&mut st, TICK);
             }
         }
+        wait_peer_devices_idle(&c);
         COMMS.remove(c.id);
         if c.st.lock().world.is_none() {
             unjoin(&c);
         }
         Ok(ncclResult_t::ncclSuccess)
     })
+}
+
+/// NCCL's teardown unmaps the buffers this rank shares with its peers'
+/// devices, which waits for those devices: while another communicator has
+/// work in flight on a peer's device (work that may be waiting for this
+/// rank), the destroy does not return, until this communicator is aborted.
+fn wait_peer_devices_idle(c: &Comm) {
+    let Some(world) = c.st.lock().world.clone() else {
+        return;
+    };
+    let peers: BTreeSet<i32> = world
+        .devices
+        .iter()
+        .copied()
+        .filter(|&d| d >= 0 && d != c.device)
+        .collect();
+    while !c.aborted() {
+        let busy = COMMS
+            .values()
+            .iter()
+            .any(|o| o.id != c.id && peers.contains(&o.device) && o.st.lock().inflight > 0);
+        if !busy {
+            return;
+        }
+        std::thread::sleep(TICK);
+    }
 }
 
 /// `ncclCommAbort`: frees the communicator at once and releases its

@@ -3,8 +3,8 @@
 //! element checked), grouped send/recv, non-blocking init with a missing
 //! rank, registration and argument checks, and the background enqueue of
 //! non-blocking communicators (`ncclInProgress`, lazy connection, refusal of
-//! calls while pending, abort of a pending enqueue). No faults are injected
-//! here.
+//! calls while pending, abort of a pending enqueue), and a destroy waiting
+//! for work in flight on a peer's device. No faults are injected here.
 
 mod common;
 
@@ -778,4 +778,73 @@ fn a_call_during_a_pending_enqueue_is_refused_and_abort_releases_it() {
     nck(destroy(comms[1]));
     destroy_stream(s);
     free(buf);
+}
+
+/// NCCL's teardown unmaps buffers that the peers' devices map: a destroy
+/// does not return while another communicator has work in flight on a
+/// peer's device, and returns once that work has run. (Devices 6 and 7,
+/// which no other test of this file uses.)
+#[test]
+fn destroy_waits_for_work_in_flight_on_a_peer_device() {
+    const DEVS: [i32; 2] = [6, 7];
+    const N: usize = 611;
+    let (a, b) = (unique_id(), unique_id());
+    let issued = std::sync::Barrier::new(2);
+    let data: Vec<Vec<f32>> = (0..2).map(|_| random_f32(N)).collect();
+    let want: Vec<f32> = (0..N).map(|i| data[0][i] + data[1][i]).collect();
+    std::thread::scope(|s| {
+        for r in 0..2 {
+            let (issued, data, want) = (&issued, &data, &want);
+            s.spawn(move || {
+                set_device(DEVS[r]);
+                let ca = init(2, a, r as i32);
+                let cb = init(2, b, r as i32);
+                let st = stream();
+                let (send, recv) = (alloc(4 * N), alloc(4 * N));
+                upload(send, &data[r]);
+                poison(recv, 4 * N);
+                let reduce = || {
+                    nck(all_reduce_sum(
+                        send,
+                        recv,
+                        N,
+                        ncclDataType_t::ncclFloat32,
+                        cb,
+                        st,
+                    ))
+                };
+                if r == 0 {
+                    // In flight on device 6 until rank 1 issues its side.
+                    reduce();
+                    issued.wait();
+                } else {
+                    issued.wait();
+                    let (tx, rx) = std::sync::mpsc::channel();
+                    let ca = ca as usize;
+                    std::thread::spawn(move || {
+                        let _ = tx.send(destroy(ca as ncclComm_t));
+                    });
+                    std::thread::sleep(Duration::from_millis(300));
+                    assert!(
+                        rx.try_recv().is_err(),
+                        "destroy returned while the peer's device had work in flight"
+                    );
+                    reduce();
+                    let rc = rx
+                        .recv_timeout(Duration::from_secs(5))
+                        .expect("destroy did not return once the peer's work ran");
+                    assert_eq!(rc, ncclResult_t::ncclSuccess);
+                }
+                sync(st);
+                assert_eq!(download::<f32>(recv, N), *want);
+                if r == 0 {
+                    assert_eq!(destroy(ca), ncclResult_t::ncclSuccess);
+                }
+                assert_eq!(destroy(cb), ncclResult_t::ncclSuccess);
+                free(send);
+                free(recv);
+                destroy_stream(st);
+            });
+        }
+    });
 }

@@ -178,6 +178,15 @@ pub fn all() -> Vec<Scenario> {
             reliability::blocking_stall,
         ),
         s(
+            "rel_blocking_connect_stall",
+            "a blocking backend stuck connecting fails by the deadline, leaving nothing in flight",
+            2,
+            Some(2),
+            &[2],
+            EmulatorFaults,
+            reliability::blocking_connect_stall,
+        ),
+        s(
             "rel_async_error_poisons",
             "an async error poisons; 1000 refusals, fast, no NCCL call",
             2,

@@ -205,6 +205,53 @@ pub fn blocking_stall(ctx: &RankCtx) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A blocking backend whose connection set-up at init gets stuck on one
+/// rank (emulator: the `stall` fault on that rank's first blocking call):
+/// both ranks' construction fails by the init deadline, and nothing of it
+/// is left in flight: a default backend built next runs an all-reduce and
+/// shuts down promptly (a communicator's teardown waits for its peers'
+/// devices to be idle, so a stuck half-built communicator would hold it).
+pub fn blocking_connect_stall(ctx: &RankCtx) -> anyhow::Result<()> {
+    let Some(emu) = ctx.emu() else {
+        return Err(RankCtx::skip("needs the emulator's fault injection"));
+    };
+    let _reset = ResetFaults(ctx);
+    if ctx.rank == 1 {
+        // The first enqueue call on a blocking communicator: connect_now.
+        emu.inject(1, Fault::Stalls, 1)?;
+    }
+    ctx.barrier("stall injected")?;
+    let init = Duration::from_secs(2);
+    let t = Instant::now();
+    let r = ctx.backend(
+        "connect-stall",
+        short(ctx)
+            .with_init_timeout(init)
+            .with_enqueue(metrale_comm::EnqueueMode::Blocking),
+    );
+    let took = t.elapsed();
+    ensure!(
+        r.is_err(),
+        "a blocking backend with a stuck connection was built"
+    );
+    ensure!(
+        took < init + SLACK,
+        "construction failed after {took:?}, deadline {init:?}"
+    );
+    ctx.barrier("stall seen")?;
+    let b = ctx.backend("after-stall", short(ctx))?;
+    all_reduce_ok(ctx, &b, 5)?;
+    ctx.step("shutdown after the stalled construction");
+    let t = Instant::now();
+    b.shutdown()?;
+    let took = t.elapsed();
+    ensure!(
+        took < TIMEOUT + SLACK,
+        "shutdown took {took:?}: work of the failed construction was still in flight"
+    );
+    Ok(())
+}
+
 /// An injected asynchronous error poisons; the poisoned backend refuses
 /// 1000 calls, each fast and without calling NCCL.
 pub fn async_error_poisons(ctx: &RankCtx) -> anyhow::Result<()> {
