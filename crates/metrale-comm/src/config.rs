@@ -112,12 +112,14 @@ pub enum EnqueueMode {
     NonBlocking,
     /// A blocking communicator, joined once the non-blocking init has
     /// succeeded (rank 0's fresh unique id is broadcast over the
-    /// non-blocking communicator, then every rank joins a blocking one with
-    /// it, within the init timeout; `nccl_safe::Comm::into_blocking`):
-    /// NCCL enqueues on the calling thread, at raw NCCL's cost. A call that stays inside NCCL (connection set-up waiting for a
-    /// peer that never issues its side) is caught by the watchdog at the
-    /// collective timeout, which poisons the backend and aborts the
-    /// communicator to release it.
+    /// non-blocking communicator, which every rank then destroys before
+    /// joining a blocking one with the id, within the init timeout;
+    /// `nccl_safe::Comm::into_blocking`): NCCL enqueues on the calling
+    /// thread, at raw NCCL's cost. A call that stays inside NCCL
+    /// (connection set-up waiting for a peer that never issues its side) is
+    /// caught by the watchdog at the collective timeout, which poisons the
+    /// backend and aborts the communicator to release it. Not yet shown on
+    /// GPUs in this form (`docs/gpu-test.md`).
     Blocking,
 }
 
