@@ -1,11 +1,13 @@
 //! Fault injection: a process-wide list of faults keyed by rank, filled by
 //! `metrale_emu_inject` and by `METRALE_EMU_FAULTS` (read on first use).
 //!
-//! Invariants: each fault fires once and is then removed; operation faults
-//! match a communicator's rank and the 1-based count of that communicator's
-//! collectives and send/recv, taken at launch; a `stall` counts the rank's
-//! enqueue calls on blocking communicators (a collective, a send/recv, or a
-//! group end with work) from when it is added, taken in the call.
+//! Invariants: each fault fires once and is then removed; every count starts
+//! when the fault is added (for `METRALE_EMU_FAULTS`, at first use), so what
+//! a communicator did before (its init's own operations included) does not
+//! shift it. Operation faults count the collectives and send/recv launched
+//! by communicators of that rank, on any communicator, at launch; a `stall`
+//! counts the rank's enqueue calls on blocking communicators (a collective,
+//! a send/recv, or a group end with work), taken in the call.
 
 use parking_lot::Mutex;
 
@@ -13,16 +15,17 @@ use parking_lot::Mutex;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Fault {
-    /// The rank's `nth` operation never completes (until it is aborted).
+    /// The rank's `nth` operation from when the fault is added never
+    /// completes (until it is aborted).
     Hang,
-    /// The `nth` operation completes, then the communicator reports
+    /// The rank's `nth` operation completes, then its communicator reports
     /// `ncclSystemError` asynchronously.
     Async,
     /// The rank's next init returns `ncclSystemError`.
     InitFail,
     /// The rank's next init never registers: its peers never finish init.
     NoJoin,
-    /// At the `nth` operation the communicator behaves as crashed.
+    /// At the rank's `nth` operation its communicator behaves as crashed.
     Die,
     /// The `nth` enqueue call on a blocking communicator, counted from when
     /// the fault is added, does not return until the communicator is aborted (as NCCL's connection set-up at
@@ -118,12 +121,17 @@ pub(crate) fn reset() {
     *FAULTS.lock() = Some(Vec::new());
 }
 
-/// Takes the operation fault for `rank`'s `nth` operation, if any.
-pub(crate) fn take_op(rank: i32, nth: u64) -> Option<Fault> {
+/// Counts one operation launched by `rank` against its first operation
+/// fault: the fault (now gone) at the `nth` operation since it was added.
+pub(crate) fn take_op(rank: i32) -> Option<Fault> {
     with(|l| {
-        let i = l.iter().position(|e| {
-            e.rank == rank && !e.fault.is_init() && e.fault != Fault::Stall && e.nth == nth
-        })?;
+        let i = l
+            .iter()
+            .position(|e| e.rank == rank && !e.fault.is_init() && e.fault != Fault::Stall)?;
+        if l[i].nth > 1 {
+            l[i].nth -= 1;
+            return None;
+        }
         Some(l.remove(i).fault)
     })
 }
@@ -171,5 +179,15 @@ mod tests {
         assert!(parse_item("1:die@0").is_none());
         let e = parse_item("1:stall@2").unwrap();
         assert_eq!((e.rank, e.fault, e.nth), (1, Fault::Stall, 2));
+    }
+
+    #[test]
+    fn operation_faults_count_from_injection() {
+        // A rank no other test uses: the list is process-wide.
+        const R: i32 = 9_999;
+        assert_eq!(inject(R, 1, 2), 0);
+        assert_eq!(take_op(R), None);
+        assert_eq!(take_op(R), Some(Fault::Hang));
+        assert_eq!(take_op(R), None, "fires once");
     }
 }

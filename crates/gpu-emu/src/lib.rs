@@ -59,10 +59,9 @@
 //! Exported C functions, resolved by the suite from the same library:
 //! `metrale_emu_inject(rank, fault, nth) -> int` (1 hang, 2 async error,
 //! 3 init fails, 4 never joins init, 5 dies, 6 stalls in the call; `nth`
-//! counts the rank's collectives and send/recv per communicator from 1, at
-//! launch, and for a stall the rank's enqueue calls on blocking
-//! communicators from when the fault is added;
-//! each fault fires once), `metrale_emu_reset()` (clears every fault) and
+//! counts from 1, from when the fault is added: the rank's collectives and
+//! send/recv on any communicator, at launch, and for a stall the rank's
+//! enqueue calls on blocking communicators; each fault fires once), `metrale_emu_reset()` (clears every fault) and
 //! `metrale_emu_nccl_calls() -> unsigned long long` (NCCL API calls so far).
 //! `METRALE_EMU_FAULTS="RANK:KIND@N;..."` (KIND one of `hang`, `async`,
 //! `initfail`, `nojoin`, `die`, `stall`) is read on first use.

@@ -649,7 +649,6 @@ struct Comm {
     /// Crashed (`die` fault): every call fails with `ncclSystemError`.
     dead: AtomicBool,
     seq: AtomicU64,
-    ops: AtomicU64,
     split_seq: AtomicU64,
     /// Children of a split still waiting for their peers: aborting this
     /// communicator aborts them too (NCCL's `childAbortFlag`).
@@ -671,7 +670,6 @@ impl Comm {
             aborted: AtomicBool::new(false),
             dead: AtomicBool::new(false),
             seq: AtomicU64::new(0),
-            ops: AtomicU64::new(0),
             split_seq: AtomicU64::new(0),
             splitting: Mutex::new(Vec::new()),
             connected: AtomicBool::new(false),
@@ -1119,7 +1117,6 @@ fn launch(comm: &Arc<Comm>, body: &Arc<Body>) -> (Work, Need) {
         Body::Coll(_) => comm.seq.fetch_add(1, Ordering::AcqRel) + 1,
         _ => 0,
     };
-    let nth = comm.ops.fetch_add(1, Ordering::AcqRel) + 1;
     let (rank, world) = {
         let mut st = comm.st.lock();
         st.inflight += 1;
@@ -1157,7 +1154,7 @@ fn launch(comm: &Arc<Comm>, body: &Arc<Body>) -> (Work, Need) {
             }
         }
     };
-    let f = fault::take_op(rank, nth);
+    let f = fault::take_op(rank);
     if f == Some(Fault::Die) {
         comm.dead.store(true, Ordering::Release);
     }

@@ -154,7 +154,7 @@ pub fn injected_hang(ctx: &RankCtx) -> anyhow::Result<()> {
     let b = ctx.backend("hang", short(ctx))?;
     all_reduce_ok(ctx, &b, 2)?;
     if ctx.rank == 1 {
-        emu.inject(1, Fault::Hang, 2)?;
+        emu.inject(1, Fault::Hang, 1)?;
     }
     ctx.barrier("hang injected")?;
     let buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
@@ -262,7 +262,7 @@ pub fn async_error_poisons(ctx: &RankCtx) -> anyhow::Result<()> {
     let b = ctx.backend("async", short(ctx))?;
     all_reduce_ok(ctx, &b, 3)?;
     if ctx.rank == 0 {
-        emu.inject(0, Fault::AsyncError, 2)?;
+        emu.inject(0, Fault::AsyncError, 1)?;
     }
     ctx.barrier("async injected")?;
     ctx.step("all_reduce with an async error on rank 0");
@@ -382,7 +382,7 @@ pub fn reconnect_cycles(ctx: &RankCtx) -> anyhow::Result<()> {
         // Every generation: one correct all_reduce, then the faulty one.
         all_reduce_ok(ctx, &b, 100 + cycle)?;
         if ctx.rank == 0 {
-            emu.inject(0, Fault::AsyncError, 2)?;
+            emu.inject(0, Fault::AsyncError, 1)?;
         }
         ctx.barrier(&format!("inject {cycle}"))?;
         let buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
