@@ -607,10 +607,10 @@ impl Comm {
         // rank can join the blocking communicator and issue work on it:
         // NCCL's teardown unmaps buffers that the peers' GPUs can access,
         // which waits for those GPUs, and a peer already running a kernel
-        // that waits for this rank never goes idle. Tearing it down after
-        // the join left one rank inside this function, past its deadline,
-        // while its peer ran its first collective, on two H200s in one
-        // process.
+        // that waits for this rank never goes idle. (With the teardown after
+        // the join, two H200s in one process left one rank inside this
+        // function past its deadline while its peer ran its first
+        // collective.)
         drop(buf);
         drop(stream);
         self.finalize_and_destroy()?;
@@ -619,7 +619,7 @@ impl Comm {
         // The blocking communicator's abort handle once its init returns,
         // or `GaveUp` once the caller's deadline has passed: whichever
         // comes second aborts it, so that connection work stuck on the GPU
-        // never outlives the deadline (freeing memory would wait for it).
+        // never outlives the deadline (a peer's teardown would wait for it).
         let pending = Arc::new(Mutex::new(Pending::Waiting));
         let helper_pending = Arc::clone(&pending);
         std::thread::Builder::new()
