@@ -14,18 +14,20 @@ use std::sync::OnceLock;
 /// Environment variable naming the emulator library explicitly.
 pub const EMU_LIBRARY_ENV: &str = "METRALE_EMU_LIBRARY";
 
-/// Fault kinds of `metrale_emu_inject`.
+/// Fault kinds of `metrale_emu_inject`. `nth` counts from the injection:
+/// the rank's operations (collectives and send/recv, on any of its
+/// communicators), or for `Stalls` its enqueue calls on blocking ones.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
-    /// The rank's `nth` collective never completes (until abort).
+    /// The rank's `nth` operation never completes (until abort).
     Hang = 1,
-    /// An asynchronous error after the `nth` collective.
+    /// An asynchronous error after the `nth` operation.
     AsyncError = 2,
     /// The rank's next init fails.
     InitFails = 3,
     /// The rank's next init never joins.
     NeverJoins = 4,
-    /// The rank dies at its `nth` collective.
+    /// The rank dies at its `nth` operation.
     Dies = 5,
     /// The `nth` enqueue call on a blocking communicator, counted from the
     /// injection, stays inside NCCL until the communicator is aborted.
@@ -136,7 +138,8 @@ impl EmuControl {
         &self.path
     }
 
-    /// Injects `fault` for `rank` at its `nth` collective (1-based).
+    /// Injects `fault` for `rank` at its `nth` operation from now (1-based;
+    /// see [`Fault`]).
     pub fn inject(&self, rank: usize, fault: Fault, nth: u64) -> anyhow::Result<()> {
         // SAFETY: the function takes plain integers and touches no caller memory.
         let rc = unsafe { (self.inject)(rank as i32, fault as i32, nth) };
