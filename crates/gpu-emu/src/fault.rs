@@ -121,19 +121,23 @@ pub(crate) fn reset() {
     *FAULTS.lock() = Some(Vec::new());
 }
 
-/// Counts one operation launched by `rank` against its first operation
-/// fault: the fault (now gone) at the `nth` operation since it was added.
-pub(crate) fn take_op(rank: i32) -> Option<Fault> {
+/// Counts one event against the first fault `matches` accepts: that fault
+/// (now gone) at its `nth` event since it was added.
+fn count_down(matches: impl Fn(&Entry) -> bool) -> Option<Fault> {
     with(|l| {
-        let i = l
-            .iter()
-            .position(|e| e.rank == rank && !e.fault.is_init() && e.fault != Fault::Stall)?;
+        let i = l.iter().position(matches)?;
         if l[i].nth > 1 {
             l[i].nth -= 1;
             return None;
         }
         Some(l.remove(i).fault)
     })
+}
+
+/// Counts one operation launched by `rank` against its first operation
+/// fault: the fault (now gone) at the `nth` operation since it was added.
+pub(crate) fn take_op(rank: i32) -> Option<Fault> {
+    count_down(|e| e.rank == rank && !e.fault.is_init() && e.fault != Fault::Stall)
 }
 
 /// Takes the init fault for `rank`, if any.
@@ -148,20 +152,7 @@ pub(crate) fn take_init(rank: i32) -> Option<Fault> {
 /// its stall fault: true (and the fault is gone) at the `nth` call since
 /// the fault was added.
 pub(crate) fn take_stall(rank: i32) -> bool {
-    with(|l| {
-        let Some(i) = l
-            .iter()
-            .position(|e| e.rank == rank && e.fault == Fault::Stall)
-        else {
-            return false;
-        };
-        if l[i].nth > 1 {
-            l[i].nth -= 1;
-            return false;
-        }
-        l.remove(i);
-        true
-    })
+    count_down(|e| e.rank == rank && e.fault == Fault::Stall).is_some()
 }
 
 #[cfg(test)]
