@@ -564,6 +564,18 @@ fn nonblocking_all_reduce_is_enqueued_in_the_background() {
         poison(recv, 4 * N);
         bufs.push((s, send, recv));
     }
+    // Settles both communicators, then checks every element of both outputs.
+    let settle_and_check = |what: &str, want: &dyn Fn(usize) -> f32| {
+        for c in comms {
+            nck(settle(c));
+        }
+        for &(s, _, recv) in &bufs {
+            sync(s);
+            for (i, got) in download::<f32>(recv, N).into_iter().enumerate() {
+                assert_eq!(got, want(i), "{what}element {i}");
+            }
+        }
+    };
     // The first collective waits for the peer (lazy connection).
     let (s0, send0, recv0) = bufs[0];
     assert_eq!(
@@ -579,16 +591,7 @@ fn nonblocking_all_reduce_is_enqueued_in_the_background() {
         all_reduce_sum(send1, recv1, N, ncclDataType_t::ncclFloat32, comms[1], s1),
         ncclResult_t::ncclInProgress
     );
-    for c in comms {
-        nck(settle(c));
-    }
-    for &(s, _, recv) in &bufs {
-        sync(s);
-        let got = download::<f32>(recv, N);
-        for i in 0..N {
-            assert_eq!(got[i], inputs[0][i] + inputs[1][i], "element {i}");
-        }
-    }
+    settle_and_check("", &|i| inputs[0][i] + inputs[1][i]);
     // Connected now: later collectives only get the short delay; in place.
     for (r, &(s, _, recv)) in bufs.iter().enumerate() {
         upload(recv, &inputs[1 - r]);
@@ -597,16 +600,7 @@ fn nonblocking_all_reduce_is_enqueued_in_the_background() {
             ncclResult_t::ncclInProgress
         );
     }
-    for c in comms {
-        nck(settle(c));
-    }
-    for &(s, _, recv) in &bufs {
-        sync(s);
-        let got = download::<f32>(recv, N);
-        for i in 0..N {
-            assert_eq!(got[i], inputs[1][i] + inputs[0][i], "in place, element {i}");
-        }
-    }
+    settle_and_check("in place, ", &|i| inputs[1][i] + inputs[0][i]);
     for (c, (s, send, recv)) in comms.into_iter().zip(bufs) {
         nck(destroy(c));
         destroy_stream(s);
