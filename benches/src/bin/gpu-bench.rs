@@ -51,7 +51,7 @@ usage: gpu-bench [--out FILE] [--crossover] [--min BYTES] [--max BYTES]
 Sizes run from --min (default 8) to --max (default 1G) by --factor (default 4;
 --crossover alone defaults to 2 and all-reduce only). --ops picks among
 all_reduce, all_gather, reduce_scatter, broadcast, send_recv, paths.
---enqueue sets the backends' EnqueueMode (default nonblocking, the
+--enqueue sets the backends' EnqueueMode (default blocking, the
 backend's default). Prints markdown tables and writes them to --out when given.
 ";
 

@@ -341,7 +341,7 @@ impl RankCtx {
     /// A backend configuration for this rank: its device, the run's dump
     /// directory, 30 s collective and init deadlines, and the enqueue mode
     /// from `METRALE_COMM_ENQUEUE` when set (so the whole suite can run on
-    /// blocking communicators; the default is the library's).
+    /// non-blocking communicators; the default is the library's, blocking).
     pub fn config(&self) -> metrale_comm::BackendConfig {
         let c = metrale_comm::BackendConfig::new(self.device)
             .with_collective_timeout(Duration::from_secs(30))

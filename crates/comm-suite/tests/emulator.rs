@@ -1,5 +1,6 @@
 //! The suite on the CPU emulator, inside `cargo test`: every scenario, in
-//! the library's default enqueue mode (or `METRALE_COMM_ENQUEUE`'s).
+//! the library's default enqueue mode, blocking (or in
+//! `METRALE_COMM_ENQUEUE`'s).
 
 mod common;
 

@@ -105,10 +105,10 @@ pub enum EnqueueMode {
     /// A non-blocking communicator: every NCCL call returns at once and is
     /// polled with a deadline, including connection set-up at a peer's
     /// first operation. NCCL starts a thread for every call on such a
-    /// communicator, which costs tens of microseconds per eager operation
+    /// communicator, which costs 55-75 µs per eager operation on H200s
     /// (`docs/benchmarks.md`); work replayed from a CUDA graph does not pay
-    /// it.
-    #[default]
+    /// it. For engines that want no NCCL call to block the calling thread
+    /// at all, at that price.
     NonBlocking,
     /// A blocking communicator, joined once the non-blocking init has
     /// succeeded (rank 0's fresh unique id is broadcast over the
@@ -118,8 +118,11 @@ pub enum EnqueueMode {
     /// thread, at raw NCCL's cost. A call that stays inside NCCL
     /// (connection set-up waiting for a peer that never issues its side) is
     /// caught by the watchdog at the collective timeout, which poisons the
-    /// backend and aborts the communicator to release it. Not yet shown on
-    /// GPUs in this form (`docs/gpu-test.md`).
+    /// backend and aborts the communicator to release it. The default:
+    /// construction costs a second communicator init, and every eager
+    /// operation costs what raw NCCL's does plus the backend's own few
+    /// microseconds (`docs/benchmarks.md`).
+    #[default]
     Blocking,
 }
 
@@ -338,7 +341,7 @@ mod tests {
             ("METRALE_COMM_FAST_PATH", "never"),
             ("METRALE_COMM_SCRATCH_BYTES", "8M"),
             ("METRALE_COMM_DUMP_DIR", "/tmp/fr"),
-            ("METRALE_COMM_ENQUEUE", "blocking"),
+            ("METRALE_COMM_ENQUEUE", "nonblocking"),
         ]
         .into();
         let c = BackendConfig::new(1)
@@ -348,8 +351,8 @@ mod tests {
         assert_eq!(c.fast_path, FastPathPolicy::Never);
         assert_eq!(c.scratch_bytes, 8 << 20);
         assert_eq!(c.dump_dir.as_deref(), Some(std::path::Path::new("/tmp/fr")));
-        assert_eq!(c.enqueue, EnqueueMode::Blocking);
-        assert_eq!(BackendConfig::new(0).enqueue, EnqueueMode::NonBlocking);
+        assert_eq!(c.enqueue, EnqueueMode::NonBlocking);
+        assert_eq!(BackendConfig::new(0).enqueue, EnqueueMode::Blocking);
         assert!(
             BackendConfig::new(0)
                 .with_overrides(|k| (k == "METRALE_COMM_ENQUEUE").then(|| "fast".to_string()))

@@ -12,10 +12,11 @@
 //!   (unless captured into a CUDA graph) watched: a completion event goes to
 //!   the watchdog, which poisons and aborts on a deadline miss or an
 //!   asynchronous NCCL error.
-//! - With `EnqueueMode::Blocking` the communicator is a blocking one (joined
-//!   after the non-blocking init, `Comm::into_blocking`), and each NCCL call is itself
-//!   watched: a call still inside NCCL at the collective timeout is
-//!   poisoned by the watchdog, whose abort makes NCCL return.
+//! - With `EnqueueMode::Blocking` (the default) the communicator is a
+//!   blocking one (joined after the non-blocking init,
+//!   `Comm::into_blocking`), and each NCCL call is itself watched: a call
+//!   still inside NCCL at the collective timeout is poisoned by the
+//!   watchdog, whose abort makes NCCL return.
 //! - Once poisoned, every call is refused before NCCL is called, with the
 //!   first failure; `attempt_reconnect` is the way back.
 //! - Host waits poll with a deadline; only `recv_command_u32` idles without
