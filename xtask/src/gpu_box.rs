@@ -150,7 +150,7 @@ pub struct GpuProgram {
 impl GpuProgram {
     /// Writes the bundle into `bundle` when given; else, on a machine with
     /// GPUs, builds and runs the binary with `pass` and returns its exit
-    /// code; without GPUs, prints one line and returns 2.
+    /// code; without GPUs, prints one line on stderr and returns 2.
     pub fn run(&self, bundle: Option<&Path>, pass: &[String]) -> anyhow::Result<i32> {
         let tool = self.tool;
         if let Some(dir) = bundle {
@@ -165,7 +165,7 @@ impl GpuProgram {
         match detect_gpus() {
             Ok(n) => println!("{tool}: {n} GPU(s) found"),
             Err(line) => {
-                println!("{tool}: {line}; {}", self.no_gpu_hint);
+                eprintln!("{tool}: {line}; {}", self.no_gpu_hint);
                 return Ok(2);
             }
         }
