@@ -5,7 +5,7 @@
 //! `gpu-test`. Otherwise it builds `metrale-benches`' `gpu-bench` binary in
 //! release mode and runs it with the remaining options (`--out FILE`,
 //! `--crossover`, `--min`, `--max`, `--factor`, `--trials`, `--ops`,
-//! `--modes`, `--enqueue`),
+//! `--modes`, `--enqueue`, `--host-costs`),
 //! returning its exit code; with one GPU the binary itself says why it
 //! measures nothing and exits 0. `--bundle DIR` builds and writes the binary
 //! and a `run.sh` to DIR, for a GPU box without Rust; it needs no GPU.
@@ -20,12 +20,14 @@ use crate::gpu_box;
 const HELP: &str = "\
 usage: cargo xtask bench [--out FILE] [--crossover] [--min BYTES] [--max BYTES]
                          [--factor N] [--trials N] [--ops a,b] [--modes eager,graph]
-                         [--enqueue nonblocking|blocking] [--bundle DIR]
+                         [--enqueue nonblocking|blocking] [--host-costs] [--bundle DIR]
 
 Builds benches/ (gpu-bench, --release) and runs it on this box's GPUs: every
 CommBackend collective next to raw NCCL, 8 B to 1 GiB, eager and under CUDA
 graph replay, and the 2-rank all-reduce paths. --crossover: only the paths,
 sizes by factor 2, and the recommended METRALE_COMM_FAST_PATH range.
+--host-costs: only the host time per call of eager 8 B operations and of
+the driver and NCCL calls each submission adds.
 --bundle DIR writes the binary and a run.sh to DIR instead (no GPU needed).
 See docs/benchmarks.md.
 ";
@@ -35,7 +37,7 @@ pub fn run(args: &[String]) -> anyhow::Result<i32> {
     let (bundle, mut pass) = match gpu_box::parse_cli(
         "bench",
         HELP,
-        &["--crossover"],
+        &["--crossover", "--host-costs"],
         &[
             "--out",
             "--min",
@@ -81,7 +83,7 @@ fn absolute(p: &str) -> anyhow::Result<String> {
 
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Runs the metrale-comm GPU benchmarks on this box's first 2 GPUs.
-# Options: --out FILE --crossover --min BYTES --max BYTES --factor N --trials N --ops a,b --enqueue MODE
+# Options: --out FILE --crossover --min BYTES --max BYTES --factor N --trials N --ops a,b --modes eager,graph --enqueue MODE --host-costs
 # NCCL_* variables are passed through exactly as given.
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -46,13 +46,15 @@ use rand::Rng as _;
 const HELP: &str = "\
 usage: gpu-bench [--out FILE] [--crossover] [--min BYTES] [--max BYTES]
                  [--factor N] [--trials N] [--ops a,b] [--modes eager,graph]
-                 [--enqueue nonblocking|blocking]
+                 [--enqueue nonblocking|blocking] [--host-costs]
 
 Sizes run from --min (default 8) to --max (default 1G) by --factor (default 4;
 --crossover alone defaults to 2 and all-reduce only). --ops picks among
 all_reduce, all_gather, reduce_scatter, broadcast, send_recv, paths.
 --enqueue sets the backends' EnqueueMode (default blocking, the
-backend's default). Prints markdown tables and writes them to --out when given.
+backend's default). --host-costs measures, instead of the sweep, the host
+time per call of an eager 8 B operation (raw NCCL and the backend) and of
+the driver and NCCL calls the backend adds to each submission. Prints markdown tables and writes them to --out when given.
 ";
 
 const WAIT: Duration = Duration::from_secs(120);
@@ -68,6 +70,7 @@ struct Opts {
     ops: Vec<String>,
     modes: Vec<Mode>,
     enqueue: EnqueueMode,
+    host_costs: bool,
 }
 
 fn parse_args() -> anyhow::Result<Option<Opts>> {
@@ -81,6 +84,7 @@ fn parse_args() -> anyhow::Result<Option<Opts>> {
         ops: Vec::new(),
         modes: vec![Mode::Eager, Mode::Graph],
         enqueue: EnqueueMode::default(),
+        host_costs: false,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut it = args.iter();
@@ -96,6 +100,7 @@ fn parse_args() -> anyhow::Result<Option<Opts>> {
             }
             "--out" => o.out = Some(PathBuf::from(it.next().context("--out needs a file")?)),
             "--crossover" => o.crossover = true,
+            "--host-costs" => o.host_costs = true,
             "--enqueue" => {
                 o.enqueue = EnqueueMode::parse(it.next().context("--enqueue needs a mode")?)
                     .map_err(|e| anyhow::anyhow!("--enqueue: {e}"))?
@@ -297,6 +302,8 @@ struct Report {
     failures: Vec<String>,
     ops: Vec<OpRow>,
     paths: Vec<PathRow>,
+    /// `--host-costs`: (what, per-call host time).
+    host: Vec<(&'static str, Sample)>,
 }
 
 impl Report {
@@ -311,6 +318,11 @@ impl Report {
              Backends: EnqueueMode::{:?}.\n\n",
             opts.trials, opts.enqueue
         ));
+        if !self.host.is_empty() {
+            s.push_str("## Host time per call\n\n");
+            s.push_str(&host_table(&self.host));
+            s.push('\n');
+        }
         if !self.ops.is_empty() {
             s.push_str("## CommBackend vs raw NCCL (nccl-safe)\n\n");
             s.push_str(&ops_table(&self.ops, 2));
@@ -434,6 +446,10 @@ fn rank_main(
         failures,
         ..Report::default()
     };
+    if opts.host_costs {
+        report.host = host_costs(&r, opts, meet)?;
+        return Ok(report);
+    }
     // Eager first at every size: the fast path allocates its scratch then,
     // never under capture.
     for &mode in &opts.modes {
@@ -753,6 +769,103 @@ fn measure(
     r.stream.wait_until_idle(WAIT)?;
     drop(graph);
     Sample::new(trials).context("no valid trial time")
+}
+
+/// Host time per call, both ranks calling at once as in the sweep: an
+/// eager 8 B all-reduce and grouped send/recv, raw and through the
+/// `Never` backend (`CALLS` issued back to back, then waited for), and the
+/// calls each backend submission adds: `cuEventRecord` (the completion
+/// event), `cuEventQuery` (the watchdog's poll), `ncclCommGetAsyncError`,
+/// `cuStreamIsCapturing` (operations on a caller stream).
+fn host_costs(r: &Rank, opts: &Opts, meet: &Meet) -> anyhow::Result<Vec<(&'static str, Sample)>> {
+    const CALLS: usize = 50;
+    const MICRO: usize = 1000;
+    let ops: [(&'static str, Impl); 4] = [
+        ("raw all_reduce 8 B", Impl::Raw(Collective::AllReduce)),
+        (
+            "backend all_reduce 8 B",
+            Impl::Backend(Collective::AllReduce, Which::Never),
+        ),
+        ("raw send/recv 8 B", Impl::Raw(Collective::SendRecv)),
+        (
+            "backend send/recv 8 B",
+            Impl::Backend(Collective::SendRecv, Which::Never),
+        ),
+    ];
+    r.ctx.make_current()?;
+    let mut rows = Vec::new();
+    for (what, imp) in ops {
+        let stream_raw = r.op_stream(imp, Mode::Eager);
+        // SAFETY: `stream_raw` is a live stream of this rank's context (ours
+        // or a backend's), which outlives this borrowed wrapper.
+        let stream = unsafe { Stream::borrowed(&r.ctx, stream_raw as cuda_sys::CUstream) };
+        // Warm-up, then the trials.
+        let mut trials = Vec::with_capacity(opts.trials);
+        for trial in 0..=opts.trials {
+            meet.wait(2)?;
+            let t = std::time::Instant::now();
+            for _ in 0..CALLS {
+                r.issue(imp, Mode::Eager, 8)?;
+            }
+            let us = t.elapsed().as_secs_f64() * 1e6 / CALLS as f64;
+            stream.wait_until_idle(WAIT)?;
+            if let Impl::Backend(_, w) = imp {
+                r.backend(w).synchronize()?;
+            }
+            if trial > 0 {
+                trials.push(us);
+            }
+        }
+        rows.push((what, Sample::new(trials).context("no valid trial time")?));
+    }
+    let event = Event::new(&r.ctx, false)?;
+    r.stream.wait_until_idle(WAIT)?;
+    let micro: [(&'static str, &dyn Fn() -> anyhow::Result<()>); 4] = [
+        ("cuEventRecord (idle stream)", &|| {
+            Ok(event.record(&r.stream)?)
+        }),
+        ("cuEventQuery (completed event)", &|| {
+            event.query()?;
+            Ok(())
+        }),
+        ("ncclCommGetAsyncError", &|| Ok(r.raw.async_error()?)),
+        ("cuStreamIsCapturing", &|| {
+            r.stream.is_capturing()?;
+            Ok(())
+        }),
+    ];
+    for (what, call) in micro {
+        let mut trials = Vec::with_capacity(opts.trials);
+        for trial in 0..=opts.trials {
+            meet.wait(2)?;
+            let t = std::time::Instant::now();
+            for _ in 0..MICRO {
+                call()?;
+            }
+            let us = t.elapsed().as_secs_f64() * 1e6 / MICRO as f64;
+            r.stream.wait_until_idle(WAIT)?;
+            if trial > 0 {
+                trials.push(us);
+            }
+        }
+        rows.push((what, Sample::new(trials).context("no valid trial time")?));
+    }
+    Ok(rows)
+}
+
+fn host_table(rows: &[(&'static str, Sample)]) -> String {
+    let mut s = String::from(
+        "| call | host µs per call (rank 0 median) | min | noise % |\n|---|---:|---:|---:|\n",
+    );
+    for (what, sample) in rows {
+        s.push_str(&format!(
+            "| {what} | {:.3} | {:.3} | {:.1} |\n",
+            sample.median(),
+            sample.min(),
+            sample.noise() * 100.0
+        ));
+    }
+    s
 }
 
 /// Checks every all-reduce variant once at a few sizes against a host
