@@ -105,7 +105,7 @@ pub enum EnqueueMode {
     /// A non-blocking communicator: every NCCL call returns at once and is
     /// polled with a deadline, including connection set-up at a peer's
     /// first operation. NCCL starts a thread for every call on such a
-    /// communicator, which costs 55-75 µs per eager operation on H200s
+    /// communicator, which costs 55-83 µs per eager operation on H200s
     /// (`docs/benchmarks.md`); work replayed from a CUDA graph does not pay
     /// it. For engines that want no NCCL call to block the calling thread
     /// at all, at that price.
@@ -115,7 +115,7 @@ pub enum EnqueueMode {
     /// non-blocking communicator, which every rank then destroys before
     /// joining a blocking one with the id, within the init timeout;
     /// `nccl_safe::Comm::into_blocking`): NCCL enqueues on the calling
-    /// thread, at raw NCCL's cost. A call that stays inside NCCL
+    /// thread, as raw NCCL does. A call that stays inside NCCL
     /// (connection set-up waiting for a peer that never issues its side) is
     /// caught by the watchdog at the collective timeout, which poisons the
     /// backend and aborts the communicator to release it. The default:
