@@ -14,7 +14,7 @@ use metrale_comm::{CommBackend, CommError, FailureKind, FastPathPolicy, NcclBack
 use nccl_safe::DeviceBuffer;
 
 use crate::data::{check, random_vec, sum_in_rank_order};
-use crate::emu::Fault;
+use crate::emu::{EmuControl, Fault};
 use crate::{RankCtx, analyze_dumps};
 
 const TIMEOUT: Duration = Duration::from_secs(2);
@@ -35,6 +35,15 @@ impl Drop for ResetFaults<'_> {
             emu.reset();
         }
     }
+}
+
+/// The emulator's fault injection and a guard that clears it when the
+/// scenario ends; on GPUs, the skip error of a scenario that needs it.
+fn fault_injection(ctx: &RankCtx) -> anyhow::Result<(&'static EmuControl, ResetFaults<'_>)> {
+    let emu = ctx
+        .emu()
+        .ok_or_else(|| RankCtx::skip("needs the emulator's fault injection"))?;
+    Ok((emu, ResetFaults(ctx)))
 }
 
 fn all_reduce_ok(ctx: &RankCtx, b: &NcclBackend, salt: u64) -> anyhow::Result<()> {
@@ -147,10 +156,7 @@ pub fn skipped_collective(ctx: &RankCtx) -> anyhow::Result<()> {
 
 /// An injected hang (emulator) is caught by the collective deadline.
 pub fn injected_hang(ctx: &RankCtx) -> anyhow::Result<()> {
-    let Some(emu) = ctx.emu() else {
-        return Err(RankCtx::skip("needs the emulator's fault injection"));
-    };
-    let _reset = ResetFaults(ctx);
+    let (emu, _reset) = fault_injection(ctx)?;
     let b = ctx.backend("hang", short(ctx))?;
     all_reduce_ok(ctx, &b, 2)?;
     if ctx.rank == 1 {
@@ -173,10 +179,7 @@ pub fn injected_hang(ctx: &RankCtx) -> anyhow::Result<()> {
 /// caught by the watchdog at the deadline, which names the op and its
 /// sequence number and aborts the communicator to release the call.
 pub fn blocking_stall(ctx: &RankCtx) -> anyhow::Result<()> {
-    let Some(emu) = ctx.emu() else {
-        return Err(RankCtx::skip("needs the emulator's fault injection"));
-    };
-    let _reset = ResetFaults(ctx);
+    let (emu, _reset) = fault_injection(ctx)?;
     let b = ctx.backend(
         "stall",
         short(ctx).with_enqueue(metrale_comm::EnqueueMode::Blocking),
@@ -212,10 +215,7 @@ pub fn blocking_stall(ctx: &RankCtx) -> anyhow::Result<()> {
 /// shuts down promptly (a communicator's teardown waits for its peers'
 /// devices to be idle, so a stuck half-built communicator would hold it).
 pub fn blocking_connect_stall(ctx: &RankCtx) -> anyhow::Result<()> {
-    let Some(emu) = ctx.emu() else {
-        return Err(RankCtx::skip("needs the emulator's fault injection"));
-    };
-    let _reset = ResetFaults(ctx);
+    let (emu, _reset) = fault_injection(ctx)?;
     if ctx.rank == 1 {
         // The first enqueue call on a blocking communicator: connect_now.
         emu.inject(1, Fault::Stalls, 1)?;
@@ -371,10 +371,7 @@ fn open_fds() -> usize {
 /// 20 cycles of injected failure, poison, reconnect on all ranks and a
 /// correct all-reduce, with device memory and open files flat.
 pub fn reconnect_cycles(ctx: &RankCtx) -> anyhow::Result<()> {
-    let Some(emu) = ctx.emu() else {
-        return Err(RankCtx::skip("needs the emulator's fault injection"));
-    };
-    let _reset = ResetFaults(ctx);
+    let (emu, _reset) = fault_injection(ctx)?;
     let b = ctx.backend("reconnect", short(ctx))?;
     let mut baseline = None;
     for cycle in 0..20u64 {
