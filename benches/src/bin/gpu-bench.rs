@@ -799,24 +799,20 @@ fn host_costs(r: &Rank, opts: &Opts, meet: &Meet) -> anyhow::Result<Vec<(&'stati
         // SAFETY: `stream_raw` is a live stream of this rank's context (ours
         // or a backend's), which outlives this borrowed wrapper.
         let stream = unsafe { Stream::borrowed(&r.ctx, stream_raw as cuda_sys::CUstream) };
-        // Warm-up, then the trials.
-        let mut trials = Vec::with_capacity(opts.trials);
-        for trial in 0..=opts.trials {
-            meet.wait(2)?;
-            let t = std::time::Instant::now();
-            for _ in 0..CALLS {
-                r.issue(imp, Mode::Eager, 8)?;
-            }
-            let us = t.elapsed().as_secs_f64() * 1e6 / CALLS as f64;
-            stream.wait_until_idle(WAIT)?;
-            if let Impl::Backend(_, w) = imp {
-                r.backend(w).synchronize()?;
-            }
-            if trial > 0 {
-                trials.push(us);
-            }
-        }
-        rows.push((what, Sample::new(trials).context("no valid trial time")?));
+        let sample = host_trials(
+            opts,
+            meet,
+            CALLS,
+            || r.issue(imp, Mode::Eager, 8),
+            || {
+                stream.wait_until_idle(WAIT)?;
+                if let Impl::Backend(_, w) = imp {
+                    r.backend(w).synchronize()?;
+                }
+                Ok(())
+            },
+        )?;
+        rows.push((what, sample));
     }
     let event = Event::new(&r.ctx, false)?;
     r.stream.wait_until_idle(WAIT)?;
@@ -835,22 +831,38 @@ fn host_costs(r: &Rank, opts: &Opts, meet: &Meet) -> anyhow::Result<Vec<(&'stati
         }),
     ];
     for (what, call) in micro {
-        let mut trials = Vec::with_capacity(opts.trials);
-        for trial in 0..=opts.trials {
-            meet.wait(2)?;
-            let t = std::time::Instant::now();
-            for _ in 0..MICRO {
-                call()?;
-            }
-            let us = t.elapsed().as_secs_f64() * 1e6 / MICRO as f64;
-            r.stream.wait_until_idle(WAIT)?;
-            if trial > 0 {
-                trials.push(us);
-            }
-        }
-        rows.push((what, Sample::new(trials).context("no valid trial time")?));
+        let sample = host_trials(opts, meet, MICRO, call, || {
+            Ok(r.stream.wait_until_idle(WAIT)?)
+        })?;
+        rows.push((what, sample));
     }
     Ok(rows)
+}
+
+/// Host time per call of `call`, made `calls` times back to back with the
+/// other rank doing the same: a warm-up trial, then `opts.trials` timed
+/// ones; `settle` waits for the trial's work, untimed.
+fn host_trials(
+    opts: &Opts,
+    meet: &Meet,
+    calls: usize,
+    call: impl Fn() -> anyhow::Result<()>,
+    settle: impl Fn() -> anyhow::Result<()>,
+) -> anyhow::Result<Sample> {
+    let mut trials = Vec::with_capacity(opts.trials);
+    for trial in 0..=opts.trials {
+        meet.wait(2)?;
+        let t = std::time::Instant::now();
+        for _ in 0..calls {
+            call()?;
+        }
+        let us = t.elapsed().as_secs_f64() * 1e6 / calls as f64;
+        settle()?;
+        if trial > 0 {
+            trials.push(us);
+        }
+    }
+    Sample::new(trials).context("no valid trial time")
 }
 
 fn host_table(rows: &[(&'static str, Sample)]) -> String {
