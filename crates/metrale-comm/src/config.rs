@@ -15,6 +15,17 @@ use crate::error::CommError;
 pub const DEFAULT_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(60);
 /// The default communicator-init timeout.
 pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(120);
+/// The shortest timeout a configuration accepts: below it no collective,
+/// init or drain can be told apart from a hang.
+pub const MIN_TIMEOUT: Duration = Duration::from_millis(100);
+/// The smallest fast-path scratch capacity a configuration accepts: a
+/// smaller buffer would cut a fast-path all-reduce into so many chunks that
+/// it costs more than NCCL's.
+pub const MIN_SCRATCH_BYTES: usize = 64 << 10;
+/// The largest `MIN` of a `MIN-MAX` fast-path range: above it NCCL's
+/// all-reduce runs at bus bandwidth and the add kernel's extra pass over
+/// memory only loses, so such a range is a mistake (often a unit typo).
+pub const MAX_FAST_PATH_MIN_BYTES: usize = 1 << 30;
 
 /// When the 2-rank all-reduce uses grouped send/recv plus the add kernel
 /// instead of NCCL's all-reduce.
@@ -84,15 +95,41 @@ impl FastPathPolicy {
             ))
         })?;
         let (min_bytes, max_bytes) = (parse_bytes(lo)?, parse_bytes(hi)?);
-        if min_bytes > max_bytes {
-            return Err(CommError::Config(format!(
-                "fast path policy `{s}`: MIN > MAX"
-            )));
-        }
-        Ok(FastPathPolicy::Range {
+        let p = FastPathPolicy::Range {
             min_bytes,
             max_bytes,
-        })
+        };
+        p.validate()
+            .map_err(|why| CommError::Config(format!("fast path policy `{s}`: {why}")))?;
+        Ok(p)
+    }
+
+    /// Checks that a range can be meant: `MIN <= MAX`, room for at least
+    /// one bf16 element, and `MIN` at most [`MAX_FAST_PATH_MIN_BYTES`].
+    fn validate(self) -> Result<(), String> {
+        let FastPathPolicy::Range {
+            min_bytes,
+            max_bytes,
+        } = self
+        else {
+            return Ok(());
+        };
+        if min_bytes > max_bytes {
+            return Err("MIN > MAX".into());
+        }
+        if max_bytes < 2 {
+            return Err("MAX is below one bf16 element (2 bytes): no payload takes it; \
+                        use `never` to turn the fast path off"
+                .into());
+        }
+        if min_bytes > MAX_FAST_PATH_MIN_BYTES {
+            return Err(format!(
+                "MIN exceeds {} MiB, where NCCL's all-reduce always wins; \
+                 use `never` to turn the fast path off",
+                MAX_FAST_PATH_MIN_BYTES >> 20
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -242,6 +279,46 @@ impl BackendConfig {
         self
     }
 
+    /// Checks every value against its documented bounds: timeouts at least
+    /// [`MIN_TIMEOUT`], the scratch capacity at least [`MIN_SCRATCH_BYTES`]
+    /// and whole bf16 elements, a fast-path range that can be meant, and a
+    /// non-empty flight recorder. `NcclBackend::new` calls it.
+    pub fn validate(&self) -> Result<(), CommError> {
+        for (name, t) in [
+            ("collective timeout", self.collective_timeout),
+            ("init timeout", self.init_timeout),
+            ("shutdown timeout", self.shutdown_timeout),
+        ] {
+            if t < MIN_TIMEOUT {
+                return Err(CommError::Config(format!(
+                    "the {name} of {t:?} is below the floor of {MIN_TIMEOUT:?}"
+                )));
+            }
+        }
+        if self.scratch_bytes < MIN_SCRATCH_BYTES || self.scratch_bytes % 2 != 0 {
+            return Err(CommError::Config(format!(
+                "the fast path's scratch capacity of {} bytes must be whole bf16 elements \
+                 and at least {MIN_SCRATCH_BYTES} bytes",
+                self.scratch_bytes
+            )));
+        }
+        self.fast_path
+            .validate()
+            .map_err(|why| CommError::Config(format!("fast path policy: {why}")))?;
+        if self.flight_recorder_capacity == 0 {
+            return Err(CommError::Config(
+                "the flight recorder needs at least one entry".into(),
+            ));
+        }
+        if self.watchdog_interval.is_zero() || self.watchdog_interval > Duration::from_secs(1) {
+            return Err(CommError::Config(format!(
+                "the watchdog interval of {:?} must be in (0, 1 s]",
+                self.watchdog_interval
+            )));
+        }
+        Ok(())
+    }
+
     /// Applies the `METRALE_COMM_*` environment overrides.
     pub fn with_env_overrides(self) -> Result<Self, CommError> {
         self.with_overrides(|k| std::env::var(k).ok())
@@ -258,9 +335,10 @@ impl BackendConfig {
             let s: f64 = v.trim().parse().map_err(|_| {
                 CommError::Config(format!("{name}=`{v}` is not a number of seconds"))
             })?;
-            if !(s > 0.0 && s <= 86_400.0) {
+            if !(s >= MIN_TIMEOUT.as_secs_f64() && s <= 86_400.0) {
                 return Err(CommError::Config(format!(
-                    "{name}=`{v}` must be in (0, 86400] seconds"
+                    "{name}=`{v}` must be in [{}, 86400] seconds",
+                    MIN_TIMEOUT.as_secs_f64()
                 )));
             }
             Ok(Some(Duration::from_secs_f64(s)))
@@ -292,6 +370,7 @@ impl BackendConfig {
                     CommError::Config(format!("METRALE_COMM_FLIGHT_RECORDER_ENTRIES=`{n}`"))
                 })?;
         }
+        self.validate()?;
         Ok(self)
     }
 }
@@ -363,5 +442,40 @@ mod tests {
                 .with_overrides(|k| (k == "METRALE_COMM_TIMEOUT_SECS").then(|| bad.to_string()));
             assert!(matches!(r, Err(CommError::Config(_))), "{bad}");
         }
+    }
+
+    /// Values that cannot be meant are refused with a message naming the
+    /// floor or the rule, whichever entry point applies them.
+    #[test]
+    fn values_that_cannot_be_meant_are_refused() {
+        let with = |k: &'static str, v: &'static str| {
+            BackendConfig::new(0).with_overrides(move |name| (name == k).then(|| v.to_string()))
+        };
+        for (k, v, says) in [
+            ("METRALE_COMM_TIMEOUT_SECS", "1e-9", "[0.1, 86400]"),
+            ("METRALE_COMM_INIT_TIMEOUT_SECS", "0.01", "[0.1, 86400]"),
+            ("METRALE_COMM_SHUTDOWN_TIMEOUT_SECS", "NaN", "[0.1, 86400]"),
+            ("METRALE_COMM_SCRATCH_BYTES", "0", "at least 65536"),
+            ("METRALE_COMM_SCRATCH_BYTES", "65537", "whole bf16"),
+            ("METRALE_COMM_FAST_PATH", "16G-32G", "MIN exceeds 1024 MiB"),
+            ("METRALE_COMM_FAST_PATH", "0-0", "below one bf16 element"),
+            ("METRALE_COMM_FAST_PATH", "0-1", "below one bf16 element"),
+        ] {
+            match with(k, v) {
+                Err(CommError::Config(msg)) => assert!(msg.contains(says), "{k}={v}: {msg}"),
+                other => panic!("{k}={v}: {other:?}"),
+            }
+        }
+        assert!(with("METRALE_COMM_TIMEOUT_SECS", "0.1").is_ok());
+        assert!(with("METRALE_COMM_SCRATCH_BYTES", "64K").is_ok());
+        assert!(with("METRALE_COMM_FAST_PATH", "0-2").is_ok());
+        assert!(with("METRALE_COMM_FAST_PATH", "1G-2G").is_ok());
+        let built = BackendConfig::new(0)
+            .with_collective_timeout(Duration::from_nanos(1))
+            .validate();
+        assert!(matches!(built, Err(CommError::Config(m)) if m.contains("floor")));
+        let built = BackendConfig::new(0).with_scratch_bytes(0).validate();
+        assert!(matches!(built, Err(CommError::Config(_))));
+        assert!(BackendConfig::new(0).validate().is_ok());
     }
 }

@@ -79,6 +79,20 @@ pub enum CommError {
         /// The operation.
         op: &'static str,
     },
+    /// The communicator an operation ran on was aborted (by a reconnect)
+    /// before the operation was seen complete: its buffers hold no result.
+    #[error(
+        "{op} (seq {seq}, generation {generation}) was aborted by a reconnect before it \
+         completed; its buffers hold no result"
+    )]
+    Aborted {
+        /// The operation.
+        op: &'static str,
+        /// Its sequence number in the flight recorder.
+        seq: u64,
+        /// The communicator generation it ran on.
+        generation: u64,
+    },
     /// The operation does not exist for this backend (send on one rank).
     #[error("{op}: unsupported: {reason}")]
     Unsupported {

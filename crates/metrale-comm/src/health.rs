@@ -102,6 +102,11 @@ impl Health {
         !self.reconnecting.swap(true, Ordering::AcqRel)
     }
 
+    /// True while a reconnect is under way.
+    pub fn is_reconnecting(&self) -> bool {
+        self.reconnecting.load(Ordering::Acquire)
+    }
+
     /// Marks the reconnect finished.
     pub fn end_reconnect(&self) {
         self.reconnecting.store(false, Ordering::Release);

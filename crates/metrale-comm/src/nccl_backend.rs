@@ -87,6 +87,14 @@ struct Slot {
     compute_done: Event,
     comm_done: Event,
     scratch: Option<DeviceBuffer<bf16>>,
+    /// Recorded after the last fast-path kernel that reads `scratch`; a
+    /// fast path on another stream waits for it before its receive
+    /// overwrites `scratch` (NCCL orders its own kernels by issue, not the
+    /// add kernel behind them).
+    scratch_free: Event,
+    /// The stream `scratch_free` was last recorded on; `None` before the
+    /// first use.
+    scratch_stream: Option<u64>,
     /// One f32 for the barrier.
     barrier_elem: DeviceBuffer<f32>,
     kernel: AddKernel,
@@ -97,6 +105,16 @@ struct Slot {
     group_joins: Vec<u64>,
     /// Submissions inside a group, watched from `group_end`.
     group_watch: Vec<(u64, &'static str, u64)>,
+}
+
+/// What a thread waiting for a submission checks when its event completes:
+/// the completion counts only if the communicator the work ran on neither
+/// failed nor was aborted (by the watchdog, a reconnect or a shutdown).
+struct Ticket {
+    seq: u64,
+    event: Arc<Event>,
+    generation: u64,
+    comm: AbortHandle,
 }
 
 /// A submission the watchdog waits for.
@@ -128,6 +146,10 @@ struct Inner {
     /// (op, sequence number, since when), for the watchdog: such a call has
     /// no deadline of its own.
     in_call: Mutex<Option<(&'static str, u64, Instant)>>,
+    /// The completion event of a `recv_command_u32` enqueued and not yet
+    /// seen complete: shutdown aborts such a receive at once, since only
+    /// the root's next command could complete it.
+    idle_pending: Mutex<Option<Arc<Event>>>,
 }
 
 /// The NCCL implementation of [`CommBackend`]. See the module docs for its
@@ -191,6 +213,7 @@ impl NcclBackend {
     /// Builds a backend for the rank the rendezvous names, agreeing on the
     /// communicator through it. Init is bounded by `config.init_timeout`.
     pub fn new(config: BackendConfig, rendezvous: Box<dyn Rendezvous>) -> Result<NcclBackend> {
+        config.validate()?;
         let rank = rendezvous.rank();
         let world_size = rendezvous.world_size();
         if world_size == 0 || rank >= world_size {
@@ -222,6 +245,7 @@ impl NcclBackend {
             generation: AtomicU64::new(0),
             group_depth: AtomicUsize::new(0),
             in_call: Mutex::new(None),
+            idle_pending: Mutex::new(None),
         });
         {
             let mut slot = inner.slot.lock();
@@ -311,12 +335,12 @@ impl NcclBackend {
         &self.inner.config
     }
 
-    /// Which path `all_reduce` takes now for `bytes` in ordinary device
-    /// memory (buffers in registered or symmetric memory always take NCCL's
-    /// all-reduce).
+    /// Which path an eager `all_reduce` takes now for `bytes` in ordinary
+    /// device memory (buffers in registered or symmetric memory, and work
+    /// captured into a CUDA graph, always take NCCL's all-reduce).
     pub fn all_reduce_path(&self, bytes: usize) -> AllReducePath {
         let slot = self.inner.slot.lock();
-        self.inner.choose_path(&slot, None, bytes)
+        self.inner.choose_path(&slot, None, bytes, false)
     }
 }
 
@@ -347,6 +371,8 @@ impl Slot {
             compute_done: Event::new(ctx, false).map_err(setup("event"))?,
             comm_done: Event::new(ctx, false).map_err(setup("event"))?,
             scratch: None,
+            scratch_free: Event::new(ctx, false).map_err(setup("event"))?,
+            scratch_stream: None,
             barrier_elem: DeviceBuffer::from_host(ctx, &[1.0f32])
                 .map_err(setup("barrier buffer"))?,
             kernel,
@@ -442,9 +468,19 @@ impl Inner {
     }
 
     /// The all-reduce path for `bytes` at `ptr` (`None`: an address outside
-    /// registered and symmetric memory).
-    fn choose_path(&self, slot: &Slot, ptr: Option<u64>, bytes: usize) -> AllReducePath {
+    /// registered and symmetric memory). Work captured into a CUDA graph
+    /// (`captured`) takes NCCL's all-reduce: the fast path's scratch buffer
+    /// is ordered between eager users by an event, which a replayed graph
+    /// cannot wait for.
+    fn choose_path(
+        &self,
+        slot: &Slot,
+        ptr: Option<u64>,
+        bytes: usize,
+        captured: bool,
+    ) -> AllReducePath {
         if self.world_size == 2
+            && !captured
             && !self.in_group()
             && slot.kernel.raw().is_some()
             && self.config.fast_path.takes_fast_path(bytes)
@@ -564,7 +600,7 @@ impl Inner {
         peer: Option<usize>,
         idle: bool,
         enqueue: impl FnOnce(&mut Slot, u64) -> nccl_safe::Result<()>,
-    ) -> Result<(u64, Option<Arc<Event>>)> {
+    ) -> Result<(u64, Option<Ticket>)> {
         self.check_usable(op)?;
         let mut slot = self.slot.lock();
         // Re-check under the lock: a reconnect or shutdown may have finished
@@ -625,10 +661,22 @@ impl Inner {
             slot.group_watch.push((seq, op, raw_stream));
             return Ok((seq, None));
         }
+        let Some(comm) = slot.comm.as_ref().map(Comm::abort_handle) else {
+            return Err(CommError::Shutdown { op });
+        };
+        let generation = self.generation.load(Ordering::Acquire);
         drop(slot);
         let deadline = (!idle).then(|| Instant::now() + self.config.collective_timeout);
         let event = self.watch(seq, op, raw_stream, deadline)?;
-        Ok((seq, Some(event)))
+        Ok((
+            seq,
+            Some(Ticket {
+                seq,
+                event,
+                generation,
+                comm,
+            }),
+        ))
     }
 
     /// Runs `f`, which calls NCCL for submission `seq`; on a blocking
@@ -652,18 +700,21 @@ impl Inner {
             .map_err(|source| CommError::Refused { op, source })
     }
 
-    /// Waits for `event` (the completion of `seq`), bounded by the
-    /// collective timeout unless `idle`. Returns early with an error when the
-    /// backend is poisoned or shut down.
-    fn wait(&self, op: &'static str, seq: u64, event: &Event, idle: bool) -> Result<()> {
+    /// Waits for the ticket's event (the completion of its submission),
+    /// bounded by the collective timeout unless `idle`, then confirms that
+    /// the communicator it ran on did not fail or get aborted meanwhile.
+    /// Returns early with an error when the backend is poisoned, shut down
+    /// or reconnected.
+    fn wait(&self, op: &'static str, ticket: &Ticket, idle: bool) -> Result<()> {
+        let seq = ticket.seq;
         let deadline = Instant::now() + self.config.collective_timeout;
         let mut backoff = Backoff(0);
         loop {
             if self.health.is_poisoned() {
                 return Err(self.own_or_poisoned(op, seq));
             }
-            match event.query() {
-                Ok(true) => return Ok(()),
+            match ticket.event.query() {
+                Ok(true) => return self.confirm(op, ticket),
                 Ok(false) => {}
                 Err(e) => {
                     return Err(CommError::Failed(self.poison(
@@ -675,6 +726,9 @@ impl Inner {
             }
             if self.health.is_shutdown() {
                 return Err(CommError::Shutdown { op });
+            }
+            if self.generation.load(Ordering::Acquire) != ticket.generation {
+                return Err(self.aborted(op, ticket));
             }
             if !idle && Instant::now() >= deadline {
                 let (op, seq) = self.oldest_pending().unwrap_or((op, seq));
@@ -688,6 +742,52 @@ impl Inner {
                 return Err(CommError::Failed(f));
             }
             backoff.pause();
+        }
+    }
+
+    /// The check behind every completion a caller is told of: the event of
+    /// `ticket` completed, and its communicator reports no asynchronous
+    /// error and was not aborted. An asynchronous error poisons, attributed
+    /// to the oldest submission still unconfirmed.
+    fn confirm(&self, op: &'static str, ticket: &Ticket) -> Result<()> {
+        let seq = ticket.seq;
+        if self.health.is_poisoned() {
+            return Err(self.own_or_poisoned(op, seq));
+        }
+        match ticket.comm.async_error() {
+            Ok(()) => {}
+            Err(nccl_safe::Error::Aborted { .. }) => return Err(self.aborted(op, ticket)),
+            Err(e) => {
+                let (first_op, first_seq) = self
+                    .oldest_pending()
+                    .filter(|&(_, s)| s < seq)
+                    .unwrap_or((op, seq));
+                self.poison(first_op, first_seq, FailureKind::AsyncError(e));
+                return Err(self.own_or_poisoned(op, seq));
+            }
+        }
+        if self.generation.load(Ordering::Acquire) != ticket.generation {
+            return Err(self.aborted(op, ticket));
+        }
+        Ok(())
+    }
+
+    /// The error for a submission whose communicator was aborted before the
+    /// submission was seen complete: its buffers hold no result.
+    fn aborted(&self, op: &'static str, ticket: &Ticket) -> CommError {
+        if self.health.is_poisoned() {
+            return self.own_or_poisoned(op, ticket.seq);
+        }
+        if self.health.is_shutdown() {
+            return CommError::Shutdown { op };
+        }
+        if self.health.is_reconnecting() {
+            return CommError::Reconnecting { op };
+        }
+        CommError::Aborted {
+            op,
+            seq: ticket.seq,
+            generation: ticket.generation,
         }
     }
 
@@ -715,14 +815,17 @@ impl Inner {
             .map(|w| (w.op, w.seq))
     }
 
-    /// One pass of the watchdog: completes finished submissions, poisons on
-    /// a missed deadline or an asynchronous error.
+    /// One pass of the watchdog: poisons on a missed deadline, a call stuck
+    /// inside NCCL or an asynchronous error, and otherwise marks finished
+    /// submissions complete. The asynchronous error is asked for before any
+    /// completion counts, so a submission whose event fired on a failed
+    /// communicator is named as the failure, not recorded as done.
     fn watchdog_tick(&self) {
         let now = Instant::now();
         let generation = self.generation.load(Ordering::Acquire);
         let mut expired: Option<(&'static str, u64)> = None;
         let mut failed: Option<(&'static str, u64, nccl_safe::Error)> = None;
-        let mut done = Vec::new();
+        let mut done: Vec<(&'static str, u64, Arc<Event>)> = Vec::new();
         {
             let mut watched = self.watched.lock();
             watched.retain(|w| {
@@ -731,8 +834,7 @@ impl Inner {
                 }
                 match w.event.query() {
                     Ok(true) => {
-                        self.recorder.set_state(w.seq, OpState::Completed);
-                        done.push(w.event.clone());
+                        done.push((w.op, w.seq, w.event.clone()));
                         false
                     }
                     Ok(false) => {
@@ -751,14 +853,6 @@ impl Inner {
                     }
                 }
             });
-        }
-        {
-            let mut pool = self.event_pool.lock();
-            for ev in done {
-                if Arc::strong_count(&ev) == 1 && pool.len() < 64 {
-                    pool.push(ev);
-                }
-            }
         }
         if self.health.is_poisoned() {
             return;
@@ -786,21 +880,53 @@ impl Inner {
             self.poison(op, seq, FailureKind::from_call(e));
             return;
         }
-        // The asynchronous error needs the communicator: skip this round if
-        // another thread holds it.
-        let async_err = match self.slot.try_lock_for(Duration::from_millis(1)) {
-            Some(slot) => match slot.comm.as_ref() {
-                Some(comm) if !comm.is_aborted() => comm.async_error().err(),
-                _ => None,
-            },
-            None => None,
+        // The asynchronous error, through the abort handle: no lock a
+        // submitter holds across NCCL calls is needed.
+        let handle = self.abort.lock().clone();
+        let async_err = match handle.map(|h| h.async_error()) {
+            Some(Err(nccl_safe::Error::Aborted { .. })) | Some(Ok(())) | None => None,
+            Some(Err(e)) => Some(e),
         };
         if let Some(e) = async_err {
-            let (op, seq) = self
-                .oldest_pending()
+            let (op, seq) = done
+                .iter()
+                .map(|(op, seq, _)| (*op, *seq))
+                .chain(self.oldest_pending())
+                .min_by_key(|&(_, seq)| seq)
                 .unwrap_or(("async error", self.recorder.last_seq()));
             self.poison(op, seq, FailureKind::AsyncError(e));
+            return;
         }
+        let mut pool = self.event_pool.lock();
+        for (_, seq, ev) in done {
+            self.recorder.set_state(seq, OpState::Completed);
+            if Arc::strong_count(&ev) == 1 && pool.len() < 64 {
+                pool.push(ev);
+            }
+        }
+    }
+
+    /// Waits, until `deadline`, for all work the backend enqueued: its own
+    /// and comm streams, the last fast path that used the scratch buffer
+    /// (possibly on a caller's stream), and every watched submission.
+    fn drain(&self, slot: &Slot, deadline: Instant) -> nccl_safe::Result<()> {
+        let left = || deadline.saturating_duration_since(Instant::now());
+        for s in [&slot.stream, &slot.comm_stream] {
+            s.wait_until_idle(left())?;
+        }
+        if slot.scratch_stream.is_some() {
+            slot.scratch_free.wait_with_deadline(left())?;
+        }
+        let events: Vec<Arc<Event>> = self
+            .watched
+            .lock()
+            .iter()
+            .map(|w| w.event.clone())
+            .collect();
+        for ev in events {
+            ev.wait_with_deadline(left())?;
+        }
+        Ok(())
     }
 
     /// Allocates the fast path's scratch buffer once, at its final size:
@@ -844,6 +970,11 @@ impl Inner {
         let comm = slot.comm("fast path")?;
         let peer = 1 - self.rank;
         let cu_stream = stream as cuda_sys::CUstream;
+        if slot.scratch_stream.is_some_and(|last| last != stream) {
+            // SAFETY: `stream` is ours or the caller's live stream of this
+            // context (trait contract); the event is ours.
+            unsafe { slot.scratch_free.wait_raw(cu_stream)? };
+        }
         let mut off = 0usize;
         while off < n {
             let len = chunk_elems.min(n - off);
@@ -867,18 +998,23 @@ impl Inner {
             unsafe { launch_add(&self.ctx, kernel, chunk, scratch, len as u64, cu_stream)? };
             off += len;
         }
+        // SAFETY: as above.
+        unsafe { slot.scratch_free.record_raw(cu_stream)? };
+        slot.scratch_stream = Some(stream);
         Ok(())
     }
 
-    /// Enqueues an all-reduce (either path) of bf16 in place on `stream`.
+    /// Enqueues an all-reduce (either path) of bf16 in place on `stream`,
+    /// which is being captured into a graph when `captured`.
     fn all_reduce_on(
         &self,
         slot: &mut Slot,
         ptr: u64,
         bytes: usize,
         stream: u64,
+        captured: bool,
     ) -> nccl_safe::Result<()> {
-        match self.choose_path(slot, Some(ptr), bytes) {
+        match self.choose_path(slot, Some(ptr), bytes, captured) {
             AllReducePath::FastPath => self.fast_path(slot, ptr, bytes, stream),
             AllReducePath::Nccl => {
                 let comm = slot.comm("all_reduce")?;
@@ -961,7 +1097,7 @@ impl CommBackend for NcclBackend {
             StreamSel::Own,
             None,
             false,
-            |slot, s| inner.all_reduce_on(slot, ptr, bytes, s),
+            |slot, s| inner.all_reduce_on(slot, ptr, bytes, s, false),
         )?;
         Ok(())
     }
@@ -987,7 +1123,7 @@ impl CommBackend for NcclBackend {
                 StreamSel::Caller(compute_stream),
                 None,
                 false,
-                |slot, s| inner.all_reduce_on(slot, ptr, bytes, s),
+                |slot, s| inner.all_reduce_on(slot, ptr, bytes, s, true),
             )?;
             return Ok(());
         }
@@ -1007,7 +1143,7 @@ impl CommBackend for NcclBackend {
                     slot.compute_done.record_raw(compute)?;
                     slot.compute_done.wait_raw(s as cuda_sys::CUstream)?;
                 }
-                inner.all_reduce_on(slot, ptr, bytes, s)?;
+                inner.all_reduce_on(slot, ptr, bytes, s, false)?;
                 if in_group {
                     // The group's work is launched at group_end: join there.
                     slot.group_joins.push(compute_stream);
@@ -1194,7 +1330,7 @@ impl CommBackend for NcclBackend {
         const OP: &str = "barrier";
         let inner = &*self.inner;
         inner.refuse_in_group(OP)?;
-        let (seq, event) = inner.submit(
+        let (_, event) = inner.submit(
             OP,
             DataType::Float32,
             4,
@@ -1218,7 +1354,7 @@ impl CommBackend for NcclBackend {
             },
         )?;
         match event {
-            Some(ev) => inner.wait(OP, seq, &ev, false),
+            Some(ticket) => inner.wait(OP, &ticket, false),
             None => Ok(()),
         }
     }
@@ -1332,25 +1468,38 @@ impl CommBackend for NcclBackend {
         let inner = &*self.inner;
         inner.refuse_in_group(OP)?;
         inner.check_usable(OP)?;
-        let events = {
-            let slot = inner.slot.lock();
-            let mut events = Vec::with_capacity(2);
-            for s in [&slot.stream, &slot.comm_stream] {
-                let ev = inner.take_event()?;
-                ev.record(s)
-                    .map_err(|source| CommError::Refused { op: OP, source })?;
-                events.push(ev);
-            }
-            events
-        };
         let seq = inner.recorder.last_seq();
-        for ev in &events {
-            inner.wait(OP, seq, ev, false)?;
+        let tickets = {
+            let slot = inner.slot.lock();
+            inner.check_usable(OP)?;
+            let comm = slot
+                .comm
+                .as_ref()
+                .map(Comm::abort_handle)
+                .ok_or(CommError::Shutdown { op: OP })?;
+            let generation = inner.generation.load(Ordering::Acquire);
+            let mut tickets = Vec::with_capacity(2);
+            for s in [&slot.stream, &slot.comm_stream] {
+                let event = inner.take_event()?;
+                event
+                    .record(s)
+                    .map_err(|source| CommError::Refused { op: OP, source })?;
+                tickets.push(Ticket {
+                    seq,
+                    event,
+                    generation,
+                    comm: comm.clone(),
+                });
+            }
+            tickets
+        };
+        for ticket in &tickets {
+            inner.wait(OP, ticket, false)?;
         }
         let mut pool = inner.event_pool.lock();
-        for ev in events {
-            if Arc::strong_count(&ev) == 1 && pool.len() < 64 {
-                pool.push(ev);
+        for ticket in tickets {
+            if Arc::strong_count(&ticket.event) == 1 && pool.len() < 64 {
+                pool.push(ticket.event);
             }
         }
         Ok(())
@@ -1424,60 +1573,119 @@ impl CommBackend for NcclBackend {
         if !inner.health.begin_shutdown() {
             return Ok(());
         }
-        let deadline = Instant::now() + inner.config.shutdown_timeout;
-        let mut result = Ok(());
-        {
-            // A thread idling in recv_command_u32 holds the slot: abort to
-            // release it if it is not free within the shutdown timeout.
-            let mut slot = match inner.slot.try_lock_for(inner.config.shutdown_timeout) {
-                Some(slot) => slot,
-                None => {
-                    if let Some(handle) = inner.abort.lock().as_ref()
-                        && let Err(e) = handle.abort()
-                    {
-                        tracing::warn!(rank = inner.rank, "shutdown: abort failed: {e}");
-                    }
-                    inner.slot.lock()
-                }
-            };
-            let healthy = !inner.health.is_poisoned();
-            let mut idle = healthy;
-            if healthy {
-                for s in [&slot.stream, &slot.comm_stream] {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    if let Err(e) = s.wait_until_idle(left) {
-                        tracing::warn!(rank = inner.rank, "shutdown: work did not drain: {e}");
-                        result = Err(CommError::Refused {
-                            op: "shutdown",
-                            source: e,
-                        });
-                        idle = false;
-                        break;
-                    }
-                }
+        let timeout = inner.config.shutdown_timeout;
+        let deadline = Instant::now() + timeout;
+        let mut aborted = false;
+        let abort = |aborted: &mut bool| {
+            *aborted = true;
+            if let Some(handle) = inner.abort.lock().as_ref()
+                && let Err(e) = handle.abort()
+            {
+                tracing::warn!(rank = inner.rank, "shutdown: abort failed: {e}");
             }
-            if !idle {
-                if let Some(handle) = inner.abort.lock().take()
-                    && let Err(e) = handle.abort()
-                {
-                    tracing::warn!(rank = inner.rank, "shutdown: abort failed: {e}");
-                }
-            } else if let Some(comm) = slot.comm.take() {
-                let registered = std::mem::take(&mut slot.registered);
-                for handle in registered.into_keys() {
-                    // SAFETY: each handle came from `register_raw` on this
-                    // communicator and is deregistered once (drained).
-                    if let Err(e) = unsafe { comm.deregister_raw(handle as *mut c_void) } {
-                        tracing::warn!(rank = inner.rank, "shutdown: deregister failed: {e}");
-                    }
-                }
-            }
-            slot.registered.clear();
-            slot.symmetric.clear();
-            slot.scratch = None;
-            slot.comm = None;
-            inner.abort.lock().take();
+        };
+        // A command receive left enqueued completes only when the root sends
+        // its next command; a poisoned communicator completes nothing: abort
+        // both at once, so that the streams drain.
+        let idle_left = inner
+            .idle_pending
+            .lock()
+            .as_ref()
+            .is_some_and(|ev| !matches!(ev.query(), Ok(true)));
+        if idle_left || inner.health.is_poisoned() {
+            abort(&mut aborted);
         }
+        // A thread inside a blocking NCCL call holds the slot; an abort makes
+        // NCCL return.
+        let mut timed_out = false;
+        let mut slot = match inner.slot.try_lock_until(deadline) {
+            Some(slot) => slot,
+            None => {
+                timed_out = true;
+                abort(&mut aborted);
+                match inner.slot.try_lock_for(timeout) {
+                    Some(slot) => slot,
+                    None => {
+                        tracing::error!(
+                            rank = inner.rank,
+                            "shutdown: a thread stays inside NCCL after the abort; \
+                             the backend's memory is left allocated"
+                        );
+                        return Err(CommError::Refused {
+                            op: "shutdown",
+                            source: nccl_safe::Error::Timeout {
+                                what: "the communicator lock after abort",
+                                after: timeout,
+                            },
+                        });
+                    }
+                }
+            }
+        };
+        let mut drained = inner.drain(&slot, deadline);
+        if drained.is_err() && !aborted {
+            timed_out = true;
+            tracing::warn!(
+                rank = inner.rank,
+                "shutdown: work did not drain within {timeout:?}; aborting the communicator"
+            );
+            abort(&mut aborted);
+            drained = inner.drain(&slot, Instant::now() + timeout);
+        }
+        let result = match drained {
+            Ok(()) => {
+                if !aborted && let Some(comm) = slot.comm.take() {
+                    let registered = std::mem::take(&mut slot.registered);
+                    for handle in registered.into_keys() {
+                        // SAFETY: each handle came from `register_raw` on this
+                        // communicator and is deregistered once, after its
+                        // work drained.
+                        if let Err(e) = unsafe { comm.deregister_raw(handle as *mut c_void) } {
+                            tracing::warn!(rank = inner.rank, "shutdown: deregister failed: {e}");
+                        }
+                    }
+                }
+                slot.symmetric.clear();
+                slot.scratch = None;
+                if timed_out {
+                    Err(CommError::Refused {
+                        op: "shutdown",
+                        source: nccl_safe::Error::Timeout {
+                            what: "enqueued work to drain",
+                            after: timeout,
+                        },
+                    })
+                } else {
+                    Ok(())
+                }
+            }
+            Err(e) => {
+                // Memory whose work cannot be proven finished is leaked, not
+                // freed under a kernel that may still use it (a free would
+                // also wait for that kernel).
+                let symmetric = std::mem::take(&mut slot.symmetric);
+                let scratch = slot.scratch.take();
+                tracing::error!(
+                    rank = inner.rank,
+                    symmetric = symmetric.len(),
+                    scratch = scratch.is_some(),
+                    "shutdown: work did not drain after the abort ({e}); \
+                     leaking the backend's device memory"
+                );
+                for (_, buf) in symmetric {
+                    std::mem::forget(buf);
+                }
+                std::mem::forget(scratch);
+                Err(CommError::Refused {
+                    op: "shutdown",
+                    source: e,
+                })
+            }
+        };
+        slot.registered.clear();
+        slot.comm = None;
+        inner.abort.lock().take();
+        drop(slot);
         inner.watched.lock().clear();
         if let Some(handle) = self.watchdog.lock().take()
             && handle.join().is_err()
@@ -1517,7 +1725,7 @@ impl NcclBackend {
         if bytes == 0 {
             return inner.check_usable(op);
         }
-        let (seq, event) = inner.submit(
+        let (_, event) = inner.submit(
             op,
             DataType::Uint8,
             bytes,
@@ -1552,10 +1760,15 @@ impl NcclBackend {
                 r
             },
         )?;
-        match event {
-            Some(ev) => inner.wait(op, seq, &ev, idle),
-            None => Ok(()),
+        let Some(ticket) = event else { return Ok(()) };
+        if idle {
+            *inner.idle_pending.lock() = Some(ticket.event.clone());
         }
+        let r = inner.wait(op, &ticket, idle);
+        if idle && r.is_ok() {
+            inner.idle_pending.lock().take();
+        }
+        r
     }
 
     /// Send or receive on the caller's stream.

@@ -261,7 +261,14 @@ fn wait_shared(
         } else {
             // The communicator's asynchronous error, seen while waiting: it
             // is reported as such (`Error::is_async`), not as `call`'s own.
-            let raw = state.lock().raw;
+            // NCCL's error text is read under the lock, from the
+            // communicator only while it is live.
+            let st = state.lock();
+            let raw = if st.status == Status::Live {
+                st.raw
+            } else {
+                std::ptr::null_mut()
+            };
             nccl_check(r, ASYNC_ERROR_CALL, raw).map(|()| true)
         }
     })
@@ -336,6 +343,29 @@ impl AbortHandle {
     /// True once the communicator was aborted.
     pub fn is_aborted(&self) -> bool {
         self.state.lock().status == Status::Aborted
+    }
+
+    /// The communicator's asynchronous error, as [`Comm::async_error`]
+    /// answers it, from any thread (NCCL allows `ncclCommGetAsyncError`
+    /// concurrently with calls on the communicator): `Ok` for success and
+    /// in-progress, the NCCL error otherwise, and [`Error::Aborted`] once the
+    /// communicator was aborted or dropped.
+    pub fn async_error(&self) -> Result<()> {
+        let st = self.state.lock();
+        if st.status != Status::Live {
+            return Err(Error::Aborted {
+                call: ASYNC_ERROR_CALL,
+            });
+        }
+        let mut result = ncclResult_t::ncclSuccess;
+        // SAFETY: live under the lock, which is held until NCCL's error text
+        // is read below; writes one result through a valid pointer.
+        let rc = unsafe { nccl_raw!(ncclCommGetAsyncError(st.raw, &mut result)) };
+        nccl_check(rc, "ncclCommGetAsyncError", st.raw)?;
+        if result == ncclResult_t::ncclInProgress {
+            return Ok(());
+        }
+        nccl_check(result, ASYNC_ERROR_CALL, st.raw)
     }
 }
 
