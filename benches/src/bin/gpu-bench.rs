@@ -39,7 +39,10 @@ use metrale_comm::rendezvous::FileRendezvous;
 use metrale_comm::{
     AllReducePath, BackendConfig, CommBackend, EnqueueMode, FastPathPolicy, NcclBackend,
 };
-use nccl_safe::{Comm, Context, DataType, DeviceBuffer, Event, Group, ReduceOp, Stream, UniqueId};
+use nccl_safe::{
+    Comm, Context, DataType, DeviceBuffer, DeviceView, DeviceViewMut, Event, Group, ReduceOp,
+    Stream, StreamRef, UniqueId,
+};
 use parking_lot::{Condvar, Mutex};
 use rand::Rng as _;
 
@@ -575,12 +578,12 @@ impl Rank {
     fn op_stream(&self, imp: Impl, mode: Mode) -> u64 {
         match imp {
             Impl::Backend(Collective::AllReduce, w) if mode == Mode::Eager => {
-                self.backend(w).stream()
+                self.backend(w).stream().as_raw() as u64
             }
             Impl::Backend(Collective::SendRecv, _)
             | Impl::Raw(_)
             | Impl::Backend(Collective::AllReduce, _) => self.stream.raw() as u64,
-            Impl::Backend(_, w) => self.backend(w).stream(),
+            Impl::Backend(_, w) => self.backend(w).stream().as_raw() as u64,
         }
     }
 
@@ -647,28 +650,31 @@ impl Rank {
             // one context).
             Impl::Backend(op, w) => {
                 let be = self.backend(w);
+                let (u8s, bf) = (DataType::Uint8, DataType::Bfloat16);
+                // SAFETY: see above: each view lies inside its buffer.
+                let m = |p: u64, n: usize, t| unsafe { DeviceViewMut::from_raw(p, n, t) };
+                // SAFETY: as above.
+                let v = |p: u64, n: usize, t| unsafe { DeviceView::from_raw(p, n, t) };
+                // SAFETY: this rank's live stream, alive while `self` is.
+                let st = unsafe { StreamRef::from_raw(s) };
                 match op {
                     Collective::AllReduce => match mode {
-                        // SAFETY: see above.
-                        Mode::Eager => unsafe { be.all_reduce(a, bytes)? },
-                        // SAFETY: see above.
-                        Mode::Graph => unsafe { be.all_reduce_async(a, bytes, s as u64)? },
+                        Mode::Eager => be.all_reduce(m(a, half, bf))?,
+                        Mode::Graph => be.all_reduce_async(m(a, half, bf), st)?,
                     },
-                    // SAFETY: see above; g holds `bytes`.
-                    Collective::AllGather => unsafe { be.all_gather(a, g, bytes / 2)? },
-                    Collective::ReduceScatter => {
-                        // SAFETY: see above.
-                        unsafe { be.reduce_scatter(g, b, bytes / 2, DataType::Bfloat16)? }
+                    // g holds `bytes`: both ranks' halves.
+                    Collective::AllGather => {
+                        be.all_gather(v(a, bytes / 2, u8s), m(g, bytes, u8s))?
                     }
-                    // SAFETY: see above.
-                    Collective::Broadcast => unsafe { be.broadcast(a, bytes, 0)? },
+                    Collective::ReduceScatter => {
+                        be.reduce_scatter(v(g, bytes / 2, bf), m(b, bytes / 4, bf))?
+                    }
+                    Collective::Broadcast => be.broadcast(m(a, bytes, u8s), 0)?,
                     Collective::SendRecv => {
                         be.group_start()?;
-                        // SAFETY: see above.
-                        let r = unsafe {
-                            be.send_to(a, bytes, peer, s as u64)
-                                .and_then(|()| be.recv_from(b, bytes, peer, s as u64))
-                        };
+                        let r = be
+                            .send_to(v(a, bytes, u8s), peer, st)
+                            .and_then(|()| be.recv_from(m(b, bytes, u8s), peer, st));
                         be.group_end()?;
                         r?;
                     }

@@ -72,6 +72,24 @@ impl SuiteElem for bf16 {
     }
 }
 
+impl SuiteElem for half::f16 {
+    fn random(rng: &mut Rng) -> Self {
+        half::f16::from_f32(random_f32(rng))
+    }
+    fn add(a: Self, b: Self) -> Self {
+        half::f16::from_f32(a.to_f32() + b.to_f32())
+    }
+    fn to_f64(self) -> f64 {
+        self.to_f64()
+    }
+    fn bits(self) -> u64 {
+        self.to_bits() as u64
+    }
+    fn ulp(x: f64) -> f64 {
+        x.abs().max(1e-3) * 2f64.powi(-10)
+    }
+}
+
 impl SuiteElem for f32 {
     fn random(rng: &mut Rng) -> Self {
         random_f32(rng)

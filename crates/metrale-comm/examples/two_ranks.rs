@@ -21,11 +21,10 @@ fn main() -> anyhow::Result<()> {
     let host: Vec<bf16> = (0..n)
         .map(|i| bf16::from_f32((i % 7 + rank + 1) as f32))
         .collect();
-    let buf = DeviceBuffer::from_host(backend.context(), &host)?;
+    let mut buf = DeviceBuffer::from_host(backend.context(), &host)?;
 
-    // SAFETY: `buf` is device memory of this rank's GPU holding `bytes()`
-    // bytes, and it outlives the reduction (synchronize waits for it).
-    unsafe { backend.all_reduce(buf.device_ptr(), buf.bytes())? };
+    // The buffer's typed view: its address, length and element type.
+    backend.all_reduce(buf.view_mut())?;
     backend.synchronize()?;
 
     let out = buf.to_host_vec()?;

@@ -118,9 +118,11 @@ impl FastPathPolicy {
             return Err("MIN > MAX".into());
         }
         if max_bytes < 2 {
-            return Err("MAX is below one bf16 element (2 bytes): no payload takes it; \
+            return Err(
+                "MAX is below one bf16 element (2 bytes): no payload takes it; \
                         use `never` to turn the fast path off"
-                .into());
+                    .into(),
+            );
         }
         if min_bytes > MAX_FAST_PATH_MIN_BYTES {
             return Err(format!(
@@ -295,7 +297,7 @@ impl BackendConfig {
                 )));
             }
         }
-        if self.scratch_bytes < MIN_SCRATCH_BYTES || self.scratch_bytes % 2 != 0 {
+        if self.scratch_bytes < MIN_SCRATCH_BYTES || !self.scratch_bytes.is_multiple_of(2) {
             return Err(CommError::Config(format!(
                 "the fast path's scratch capacity of {} bytes must be whole bf16 elements \
                  and at least {MIN_SCRATCH_BYTES} bytes",

@@ -342,13 +342,6 @@ pub struct Dump {
     pub records: Vec<OpRecord>,
 }
 
-/// The dump directory from `METRALE_COMM_DUMP_DIR`, if set and non-empty.
-pub fn dump_dir_from_env() -> Option<PathBuf> {
-    std::env::var_os(DUMP_DIR_ENV)
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-}
-
 /// Why [`analyze`] singled out a sequence number.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]

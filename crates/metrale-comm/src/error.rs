@@ -53,11 +53,12 @@ pub enum CommError {
         /// The number of ranks.
         world_size: usize,
         /// The first failure.
+        #[source]
         cause: Arc<Failure>,
     },
     /// This call's own operation failed and poisoned the backend.
     #[error("{0}")]
-    Failed(Arc<Failure>),
+    Failed(#[source] Arc<Failure>),
     /// A call to NCCL or the driver was refused before anything was
     /// enqueued (the backend stays healthy).
     #[error("{op}: {source}")]
@@ -101,13 +102,35 @@ pub enum CommError {
         /// Why.
         reason: String,
     },
-    /// Setting up the communicator failed (device, rendezvous, init).
-    #[error("{stage}: {message}")]
+    /// Setting up the backend failed (device, context, buffers, init); the
+    /// driver's or NCCL's error is the source.
+    #[error("{stage}{}: {source}", if context.is_empty() { String::new() } else { format!(" ({context})") })]
     Setup {
         /// What was being set up.
         stage: &'static str,
-        /// What went wrong.
-        message: String,
+        /// Which rank and generation, when that helps.
+        context: String,
+        /// The driver's or NCCL's error.
+        #[source]
+        source: nccl_safe::Error,
+    },
+    /// A thread the backend needs could not be started.
+    #[error("starting the {what} thread failed: {source}")]
+    Thread {
+        /// Which thread.
+        what: &'static str,
+        /// The system's error.
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+    /// Another thread kept a group open for longer than the collective
+    /// timeout, so this call could not reach the communicator.
+    #[error("{op}: another thread's group stayed open for {waited:?}")]
+    GroupBusy {
+        /// The operation.
+        op: &'static str,
+        /// How long it waited.
+        waited: Duration,
     },
     /// The rendezvous failed.
     #[error(transparent)]
@@ -124,6 +147,38 @@ impl From<RendezvousError> for CommError {
 }
 
 impl CommError {
+    /// [`CommError::Setup`] of `stage` with no context.
+    pub(crate) fn setup(stage: &'static str, source: nccl_safe::Error) -> CommError {
+        CommError::Setup {
+            stage,
+            context: String::new(),
+            source,
+        }
+    }
+
+    /// [`CommError::Setup`] of `stage` for `context` (rank, generation).
+    pub(crate) fn setup_of(
+        stage: &'static str,
+        context: String,
+        source: nccl_safe::Error,
+    ) -> CommError {
+        CommError::Setup {
+            stage,
+            context,
+            source,
+        }
+    }
+
+    /// The NCCL or driver error behind this error, if one is: a refused
+    /// call's, a failed setup's, or the failure's that poisoned the backend.
+    pub fn nccl_error(&self) -> Option<&nccl_safe::Error> {
+        match self {
+            CommError::Refused { source, .. } | CommError::Setup { source, .. } => Some(source),
+            CommError::Poisoned { cause, .. } | CommError::Failed(cause) => cause.kind.nccl_error(),
+            _ => None,
+        }
+    }
+
     /// The first failure behind this error, for `Poisoned` and `Failed`.
     pub fn failure(&self) -> Option<&Failure> {
         match self {
@@ -174,10 +229,19 @@ pub enum FailureKind {
     /// The call itself failed after work may have been enqueued.
     CallFailed(nccl_safe::Error),
     /// `attempt_reconnect` could not build a new communicator.
-    Reconnect(String),
+    Reconnect(Box<CommError>),
 }
 
 impl FailureKind {
+    /// The NCCL or driver error behind the failure, if one is.
+    pub fn nccl_error(&self) -> Option<&nccl_safe::Error> {
+        match self {
+            FailureKind::AsyncError(e) | FailureKind::CallFailed(e) => Some(e),
+            FailureKind::Reconnect(e) => e.nccl_error(),
+            FailureKind::Timeout { .. } => None,
+        }
+    }
+
     /// `AsyncError` when `e` is the communicator's asynchronous error (seen
     /// while the call waited for NCCL), else `CallFailed`.
     pub fn from_call(e: nccl_safe::Error) -> FailureKind {
@@ -201,6 +265,16 @@ impl fmt::Display for Failure {
             FailureKind::AsyncError(e) => write!(f, "hit an asynchronous NCCL error: {e}"),
             FailureKind::CallFailed(e) => write!(f, "failed: {e}"),
             FailureKind::Reconnect(e) => write!(f, "could not reconnect: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for Failure {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match &self.kind {
+            FailureKind::AsyncError(e) | FailureKind::CallFailed(e) => Some(e),
+            FailureKind::Reconnect(e) => Some(&**e),
+            FailureKind::Timeout { .. } => None,
         }
     }
 }

@@ -46,7 +46,7 @@ const VALUES_PER_LOAD: u64 = 8;
 /// Grid and block dimensions, `((gx, gy, gz), (bx, by, bz))`, for adding `n`
 /// values with `bf16_add_inplace`: one thread per 8 values, 256 threads per
 /// block, at most [`BF16_ADD_MAX_GRID`] blocks and at least one.
-pub fn launch_config(n: u64) -> ((u32, u32, u32), (u32, u32, u32)) {
+pub(crate) fn launch_config(n: u64) -> ((u32, u32, u32), (u32, u32, u32)) {
     let threads = n.div_ceil(VALUES_PER_LOAD);
     let blocks = threads
         .div_ceil(u64::from(BF16_ADD_BLOCK))

@@ -6,16 +6,66 @@
 //! operation, poisoning, a flight recorder, rendezvous and reconnect, and
 //! [`LocalBackend`] for a world of one.
 //!
+//! Memory crosses the API as typed views ([`DeviceView`], [`DeviceViewMut`]:
+//! an address, a length and a [`DataType`]) and streams as borrowed
+//! [`StreamRef`]s; owning nccl-safe types give them safely, and a raw
+//! address or `CUstream` enters through one `unsafe fn from_raw` each.
+//!
+//! Two ranks as threads of one process, with a unique id the program
+//! shares itself (a launcher's rendezvous does this across processes, see
+//! [`NcclBackend::from_env`]). This runs under `cargo test` on the CPU
+//! emulator, and on any box with two GPUs:
+//!
+//! ```
+//! use half::bf16;
+//! use metrale_comm::{BackendConfig, CommBackend, DeviceBuffer, NcclBackend, UniqueId};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! # if let Ok(p) = std::env::var("METRALE_DOCTEST_EMULATOR") {
+//! #     if std::path::Path::new(&p).exists() && std::env::var_os("METRALE_CUDA_LIBRARY").is_none() {
+//! #         // SAFETY: set before any thread starts or a library is opened.
+//! #         unsafe { std::env::set_var("METRALE_CUDA_LIBRARY", &p); std::env::set_var("METRALE_NCCL_LIBRARY", &p) };
+//! #     }
+//! # }
+//! # match nccl_safe::device_count() {
+//! #     Ok(n) if n >= 2 => {}
+//! #     other => { eprintln!("skipped: needs 2 GPUs or the emulator ({other:?})"); return Ok(()); }
+//! # }
+//! let id = UniqueId::new()?;
+//! let ranks: Vec<_> = (0..2)
+//!     .map(|rank| {
+//!         let id = id.clone();
+//!         std::thread::spawn(move || -> Result<Vec<bf16>, Box<dyn std::error::Error + Send + Sync>> {
+//!             let backend = NcclBackend::with_unique_id(BackendConfig::new(rank), &id, rank, 2)?;
+//!             let host = vec![bf16::from_f32(rank as f32 + 1.0); 1024];
+//!             let mut x = DeviceBuffer::from_host(backend.context(), &host)?;
+//!             backend.all_reduce(x.view_mut())?; // a typed view: no unsafe
+//!             backend.synchronize()?;
+//!             let sum = x.to_host_vec()?;
+//!             backend.shutdown()?;
+//!             Ok(sum)
+//!         })
+//!     })
+//!     .collect();
+//! for rank in ranks {
+//!     let sum = rank.join().expect("rank thread")?;
+//!     assert!(sum.iter().all(|v| *v == bf16::from_f32(3.0)));
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! Every rank of a torchrun-style job (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+//! `MASTER_ADDR`, `MASTER_PORT`) builds its backend from the environment:
+//!
 //! ```no_run
 //! use metrale_comm::{BackendConfig, CommBackend, NcclBackend};
-//! // torchrun-style environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let backend = NcclBackend::from_env(BackendConfig::new(0))?;
-//! # let (ptr, bytes) = (0u64, 0usize);
-//! // SAFETY: `ptr` is a device buffer of `bytes` bytes on this rank's GPU.
-//! unsafe { backend.all_reduce(ptr, bytes)? };
-//! backend.synchronize()?;
-//! # Ok::<(), metrale_comm::CommError>(())
+//! # Ok(()) }
 //! ```
+//!
+//! A single GPU runs the same engine code on [`LocalBackend`], where every
+//! reduction is the identity.
 //!
 //! Invariants: see each module; `docs/architecture.md` gathers them.
 
@@ -23,16 +73,22 @@ pub mod backend;
 pub mod config;
 pub mod diagnostics;
 pub mod error;
+#[cfg(feature = "bench-internals")]
 pub mod health;
+#[cfg(not(feature = "bench-internals"))]
+mod health;
 pub mod kernels;
 pub mod local_backend;
 pub mod nccl_backend;
 pub mod rendezvous;
 mod validate;
 
-pub use backend::CommBackend;
+pub use backend::{AddKernel, CommBackend, Group, Registration, Result, SymmetricAlloc};
 pub use config::{BackendConfig, EnqueueMode, FastPathPolicy};
 pub use error::{CommError, Failure, FailureKind};
 pub use local_backend::LocalBackend;
 pub use nccl_backend::{AllReducePath, NcclBackend};
-pub use nccl_safe::DataType;
+pub use nccl_safe::{
+    Context, DataType, DeviceBuffer, DeviceView, DeviceViewMut, Error as NcclSafeError, Stream,
+    StreamRef, UniqueId,
+};

@@ -9,21 +9,25 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use nccl_safe::{Context, DataType, DeviceBuffer, Stream};
+use nccl_safe::{Context, DeviceBuffer, DeviceView, DeviceViewMut, Stream, StreamRef};
 use parking_lot::Mutex;
 
-use crate::backend::{CommBackend, Result};
+use crate::backend::{AddKernel, CommBackend, Registration, Result, SymmetricAlloc};
 use crate::error::CommError;
-use crate::validate::{check_alloc, check_buffer, check_function, check_rank, check_register};
+use crate::validate::{
+    Span, check_alloc, check_command, check_counts, check_pair, check_rank, check_reducible,
+    check_register, check_view,
+};
 
 /// A one-rank backend (see the module docs).
 pub struct LocalBackend {
     ctx: Arc<Context>,
     stream: Stream,
     shutdown: AtomicBool,
-    group_depth: AtomicUsize,
+    /// The thread with a group open, and its depth.
+    group: Mutex<Option<(std::thread::ThreadId, usize)>>,
     next_handle: AtomicU64,
     registered: Mutex<HashMap<u64, (u64, usize)>>,
     allocations: Mutex<HashMap<u64, DeviceBuffer<u8>>>,
@@ -40,19 +44,14 @@ impl std::fmt::Debug for LocalBackend {
 impl LocalBackend {
     /// A one-rank backend on `device`.
     pub fn new(device: usize) -> Result<LocalBackend> {
-        let setup = |stage| {
-            move |e: nccl_safe::Error| CommError::Setup {
-                stage,
-                message: e.to_string(),
-            }
-        };
+        let setup = |stage| move |e: nccl_safe::Error| CommError::setup(stage, e);
         let ctx = Context::new(device).map_err(setup("CUDA context"))?;
         let stream = Stream::new(&ctx).map_err(setup("stream"))?;
         Ok(LocalBackend {
             ctx,
             stream,
             shutdown: AtomicBool::new(false),
-            group_depth: AtomicUsize::new(0),
+            group: Mutex::new(None),
             next_handle: AtomicU64::new(1),
             registered: Mutex::new(HashMap::new()),
             allocations: Mutex::new(HashMap::new()),
@@ -65,8 +64,8 @@ impl LocalBackend {
     }
 
     /// The backend's stream (where copies run).
-    pub fn stream(&self) -> u64 {
-        self.stream.raw() as u64
+    pub fn stream(&self) -> StreamRef<'_> {
+        self.stream.as_ref()
     }
 
     fn check(&self, op: &'static str) -> Result<()> {
@@ -100,36 +99,64 @@ impl LocalBackend {
     }
 }
 
+impl LocalBackend {
+    /// True when the calling thread has a group open.
+    fn in_own_group(&self) -> bool {
+        self.group
+            .lock()
+            .is_some_and(|(owner, _)| owner == std::thread::current().id())
+    }
+
+    /// Checks a pair of views of one rank: the same type and length.
+    fn check_copy(op: &'static str, send: Span, recv: Span) -> Result<()> {
+        check_view(op, "send buffer", send)?;
+        check_view(op, "receive buffer", recv)?;
+        check_pair(
+            op,
+            ("the send buffer", send),
+            ("the receive buffer", recv),
+            1,
+        )
+    }
+}
+
 impl CommBackend for LocalBackend {
-    unsafe fn all_reduce(&self, ptr: u64, bytes: usize) -> Result<()> {
-        check_buffer("all_reduce", "buffer", ptr, bytes, 2)?;
+    fn all_reduce(&self, buf: DeviceViewMut<'_>) -> Result<()> {
+        let s = Span::from(&buf);
+        check_view("all_reduce", "buffer", s)?;
+        check_reducible("all_reduce", s)?;
         self.check("all_reduce")
     }
 
-    unsafe fn all_reduce_async(&self, ptr: u64, bytes: usize, _compute_stream: u64) -> Result<()> {
-        check_buffer("all_reduce_async", "buffer", ptr, bytes, 2)?;
+    fn all_reduce_async(&self, buf: DeviceViewMut<'_>, _compute: StreamRef<'_>) -> Result<()> {
+        let s = Span::from(&buf);
+        check_view("all_reduce_async", "buffer", s)?;
+        check_reducible("all_reduce_async", s)?;
         self.check("all_reduce_async")
     }
 
-    unsafe fn register_buffer(&self, ptr: u64, bytes: usize) -> Result<u64> {
+    unsafe fn register_buffer(&self, buf: DeviceView<'_>) -> Result<Registration> {
         const OP: &str = "register_buffer";
-        check_register(OP, ptr, bytes)?;
+        let s = Span::from(&buf);
+        check_register(OP, s)?;
         self.check(OP)?;
         let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
-        self.registered.lock().insert(handle, (ptr, bytes));
-        Ok(handle)
+        self.registered.lock().insert(handle, (s.ptr, s.bytes()));
+        // SAFETY: a fresh handle, returned once.
+        Ok(unsafe { Registration::from_raw(handle) })
     }
 
-    fn deregister_buffer(&self, handle: u64) -> Result<()> {
+    fn deregister_buffer(&self, registration: Registration) -> Result<()> {
         const OP: &str = "deregister_buffer";
         self.check(OP)?;
+        let handle = registration.as_raw();
         match self.registered.lock().remove(&handle) {
             Some(_) => Ok(()),
             None => Err(CommError::UnknownHandle { op: OP, handle }),
         }
     }
 
-    fn symmetric_alloc(&self, bytes: usize) -> Result<u64> {
+    fn symmetric_alloc(&self, bytes: usize) -> Result<SymmetricAlloc> {
         const OP: &str = "symmetric_alloc";
         check_alloc(OP, bytes)?;
         self.check(OP)?;
@@ -137,12 +164,14 @@ impl CommBackend for LocalBackend {
             .map_err(|source| CommError::Refused { op: OP, source })?;
         let ptr = buf.device_ptr();
         self.allocations.lock().insert(ptr, buf);
-        Ok(ptr)
+        // SAFETY: a fresh allocation, handed out once.
+        Ok(unsafe { SymmetricAlloc::from_raw(ptr, bytes) })
     }
 
-    fn symmetric_free(&self, ptr: u64) -> Result<()> {
+    fn symmetric_free(&self, alloc: SymmetricAlloc) -> Result<()> {
         const OP: &str = "symmetric_free";
         self.check(OP)?;
+        let ptr = alloc.ptr();
         match self.allocations.lock().remove(&ptr) {
             Some(_) => Ok(()),
             None => Err(CommError::UnknownHandle {
@@ -152,44 +181,45 @@ impl CommBackend for LocalBackend {
         }
     }
 
-    unsafe fn set_add_kernel(&self, function: u64) -> Result<()> {
-        check_function("set_add_kernel", function)?;
+    fn set_add_kernel(&self, kernel: AddKernel) -> Result<()> {
+        if kernel.raw().is_null() {
+            return Err(CommError::InvalidArgument {
+                op: "set_add_kernel",
+                reason: "null CUfunction".into(),
+            });
+        }
         self.check("set_add_kernel")
     }
 
-    unsafe fn all_gather(&self, send_ptr: u64, recv_ptr: u64, bytes: usize) -> Result<()> {
+    fn all_gather(&self, send: DeviceView<'_>, recv: DeviceViewMut<'_>) -> Result<()> {
         const OP: &str = "all_gather";
-        check_buffer(OP, "send buffer", send_ptr, bytes, 1)?;
-        check_buffer(OP, "receive buffer", recv_ptr, bytes, 1)?;
+        let (s, r) = (Span::from(&send), Span::from(&recv));
+        Self::check_copy(OP, s, r)?;
         self.check(OP)?;
-        // SAFETY: both buffers hold `bytes` (one rank: the trait's sizes).
-        unsafe { self.copy(OP, recv_ptr, send_ptr, bytes) }
+        // SAFETY: both views hold `s.bytes()` (one rank: equal lengths,
+        // checked) on this context.
+        unsafe { self.copy(OP, r.ptr, s.ptr, s.bytes()) }
     }
 
-    unsafe fn reduce_scatter(
-        &self,
-        send_ptr: u64,
-        recv_ptr: u64,
-        recv_bytes: usize,
-        dtype: DataType,
-    ) -> Result<()> {
+    fn reduce_scatter(&self, send: DeviceView<'_>, recv: DeviceViewMut<'_>) -> Result<()> {
         const OP: &str = "reduce_scatter";
-        check_buffer(OP, "receive buffer", recv_ptr, recv_bytes, dtype.size())?;
-        check_buffer(OP, "send buffer", send_ptr, recv_bytes, dtype.size())?;
+        let (s, r) = (Span::from(&send), Span::from(&recv));
+        Self::check_copy(OP, s, r)?;
+        check_reducible(OP, s)?;
         self.check(OP)?;
-        // SAFETY: both buffers hold `recv_bytes` (one rank).
-        unsafe { self.copy(OP, recv_ptr, send_ptr, recv_bytes) }
+        // SAFETY: as in all_gather.
+        unsafe { self.copy(OP, r.ptr, s.ptr, s.bytes()) }
     }
 
-    unsafe fn broadcast(&self, ptr: u64, bytes: usize, root: usize) -> Result<()> {
-        check_buffer("broadcast", "buffer", ptr, bytes, 1)?;
+    fn broadcast(&self, buf: DeviceViewMut<'_>, root: usize) -> Result<()> {
+        check_view("broadcast", "buffer", Span::from(&buf))?;
         check_rank("broadcast", "root", root, 1)?;
         self.check("broadcast")
     }
 
-    unsafe fn recv_command_u32(&self, ptr: u64, root: usize) -> Result<()> {
+    fn recv_command_u32(&self, buf: DeviceViewMut<'_>, root: usize) -> Result<()> {
         const OP: &str = "recv_command_u32";
-        check_buffer(OP, "buffer", ptr, 4, 1)?;
+        check_command(OP, Span::from(&buf))?;
         check_rank(OP, "root", root, 1)?;
         Err(CommError::InvalidArgument {
             op: OP,
@@ -198,31 +228,24 @@ impl CommBackend for LocalBackend {
     }
 
     fn barrier(&self) -> Result<()> {
-        if self.group_depth.load(Ordering::Acquire) > 0 {
+        if self.in_own_group() {
             return Err(CommError::InGroup { op: "barrier" });
         }
         self.check("barrier")
     }
 
-    unsafe fn send_to(
-        &self,
-        _ptr: u64,
-        _bytes: usize,
-        _dest_rank: usize,
-        _stream: u64,
-    ) -> Result<()> {
+    fn send_to(&self, _buf: DeviceView<'_>, _dest: usize, _stream: StreamRef<'_>) -> Result<()> {
         Err(CommError::Unsupported {
             op: "send_to",
             reason: "a world of one rank has no peer".into(),
         })
     }
 
-    unsafe fn recv_from(
+    fn recv_from(
         &self,
-        _ptr: u64,
-        _bytes: usize,
-        _src_rank: usize,
-        _stream: u64,
+        _buf: DeviceViewMut<'_>,
+        _src: usize,
+        _stream: StreamRef<'_>,
     ) -> Result<()> {
         Err(CommError::Unsupported {
             op: "recv_from",
@@ -230,21 +253,79 @@ impl CommBackend for LocalBackend {
         })
     }
 
+    fn all_to_all(&self, send: DeviceView<'_>, recv: DeviceViewMut<'_>) -> Result<()> {
+        const OP: &str = "all_to_all";
+        let (s, r) = (Span::from(&send), Span::from(&recv));
+        Self::check_copy(OP, s, r)?;
+        self.check(OP)?;
+        // SAFETY: as in all_gather.
+        unsafe { self.copy(OP, r.ptr, s.ptr, s.bytes()) }
+    }
+
+    fn all_to_all_v(
+        &self,
+        send: DeviceView<'_>,
+        send_counts: &[usize],
+        recv: DeviceViewMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        const OP: &str = "all_to_all_v";
+        let (s, r) = (Span::from(&send), Span::from(&recv));
+        check_view(OP, "send buffer", s)?;
+        check_view(OP, "receive buffer", r)?;
+        check_counts(OP, "send_counts", send_counts, 1, s.len)?;
+        check_counts(OP, "recv_counts", recv_counts, 1, r.len)?;
+        if s.dtype != r.dtype || send_counts[0] != recv_counts[0] {
+            return Err(CommError::InvalidArgument {
+                op: OP,
+                reason: "one rank sends itself what it receives: the types and counts must match"
+                    .into(),
+            });
+        }
+        self.check(OP)?;
+        // SAFETY: `send_counts[0]` elements fit both views (checked).
+        unsafe { self.copy(OP, r.ptr, s.ptr, send_counts[0] * s.dtype.size()) }
+    }
+
+    fn split(&self, color: Option<u32>, _key: usize) -> Result<Option<Box<dyn CommBackend>>> {
+        self.check("split")?;
+        match color {
+            None => Ok(None),
+            Some(_) => Ok(Some(Box::new(LocalBackend::new(self.ctx.ordinal())?))),
+        }
+    }
+
     fn group_start(&self) -> Result<()> {
         self.check("group_start")?;
-        self.group_depth.fetch_add(1, Ordering::AcqRel);
+        let me = std::thread::current().id();
+        let mut group = self.group.lock();
+        match group.as_mut() {
+            Some((owner, depth)) if *owner == me => *depth += 1,
+            Some(_) => {
+                return Err(CommError::GroupBusy {
+                    op: "group_start",
+                    waited: std::time::Duration::ZERO,
+                });
+            }
+            None => *group = Some((me, 1)),
+        }
         Ok(())
     }
 
     fn group_end(&self) -> Result<()> {
-        let ended = self
-            .group_depth
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |d| d.checked_sub(1));
-        match ended {
-            Ok(_) => Ok(()),
-            Err(_) => Err(CommError::InvalidArgument {
+        let me = std::thread::current().id();
+        let mut group = self.group.lock();
+        match group.as_mut() {
+            Some((owner, depth)) if *owner == me => {
+                *depth -= 1;
+                if *depth == 0 {
+                    *group = None;
+                }
+                Ok(())
+            }
+            _ => Err(CommError::InvalidArgument {
                 op: "group_end",
-                reason: "group_end without group_start".into(),
+                reason: "group_end without group_start on this thread".into(),
             }),
         }
     }

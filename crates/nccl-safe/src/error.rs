@@ -29,6 +29,12 @@ pub enum Error {
     /// An NCCL call failed.
     #[error(transparent)]
     Nccl(#[from] NcclError),
+    /// The communicator's asynchronous error (`ncclCommGetAsyncError`
+    /// reported a failure, also when seen while a call waited for NCCL's
+    /// background enqueue): work already enqueued failed, not a call's own
+    /// arguments.
+    #[error("asynchronous NCCL error: {0}")]
+    Async(NcclError),
     /// An argument was refused before any library saw it.
     #[error("{call}: invalid argument: {reason}")]
     InvalidArgument {
@@ -128,16 +134,17 @@ impl Error {
         }
     }
 
-    /// True when this is an NCCL failure with the given code.
+    /// True when this is an NCCL failure (of a call, or asynchronous) with
+    /// the given code.
     pub fn is_nccl(&self, code: NcclCode) -> bool {
-        matches!(self, Error::Nccl(e) if e.code == code)
+        matches!(self, Error::Nccl(e) | Error::Async(e) if e.code == code)
     }
 
     /// True when this is the communicator's asynchronous error (reported by
     /// `ncclCommGetAsyncError`, also when seen while a call waited for NCCL's
     /// background enqueue), rather than an error of a call itself.
     pub fn is_async(&self) -> bool {
-        matches!(self, Error::Nccl(n) if n.call == crate::comm::ASYNC_ERROR_CALL)
+        matches!(self, Error::Async(_))
     }
 }
 
@@ -278,6 +285,15 @@ pub fn nccl_check(rc: ncclResult_t, call: &'static str, comm: ncclComm_t) -> Res
         Ok(())
     } else {
         Err(Error::Nccl(nccl_error(rc, call, nccl_error_text(rc, comm))))
+    }
+}
+
+/// Maps the result `ncclCommGetAsyncError` reported for `comm` (a live
+/// communicator, or null) to [`Error::Async`]; `ncclSuccess` is `Ok`.
+pub fn nccl_async_check(result: ncclResult_t, comm: ncclComm_t) -> Result<()> {
+    match nccl_check(result, crate::comm::ASYNC_ERROR_CALL, comm) {
+        Err(Error::Nccl(e)) => Err(Error::Async(e)),
+        other => other,
     }
 }
 

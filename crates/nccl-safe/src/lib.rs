@@ -35,6 +35,8 @@ macro_rules! nccl_raw {
 }
 
 pub mod comm;
+#[cfg(feature = "cudarc")]
+pub mod cudarc_interop;
 pub mod driver;
 pub mod error;
 pub mod group;
@@ -42,6 +44,7 @@ pub mod memory;
 pub mod module;
 pub mod registration;
 pub mod stream;
+pub mod view;
 
 pub use comm::{
     ASYNC_ERROR_CALL, AbortHandle, Comm, DROP_DEADLINE, ENQUEUE_DEADLINE, ReduceOp, UniqueId,
@@ -50,9 +53,12 @@ pub use comm::{
 pub use driver::{
     Context, DeviceInfo, can_access_peer, device_count, device_info, driver_version, init,
 };
-pub use error::{CudaError, Error, NcclCode, NcclError, Result, cuda_check, nccl_check};
+pub use error::{
+    CudaError, Error, NcclCode, NcclError, Result, cuda_check, nccl_async_check, nccl_check,
+};
 pub use group::{Group, group};
-pub use memory::{COPY_DEADLINE, DataType, DeviceBuffer, Element};
+pub use memory::{COPY_DEADLINE, DataType, DeviceBuffer, Element, copy_device_async};
 pub use module::{Function, Module, launch_raw};
 pub use registration::{RegisteredBuffer, SymmetricBuffer, Window, nccl_version};
 pub use stream::{Event, Graph, GraphExec, Stream};
+pub use view::{DeviceView, DeviceViewMut, StreamRef};

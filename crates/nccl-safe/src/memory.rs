@@ -49,13 +49,20 @@ pub enum DataType {
     Float64,
     /// bfloat16 (`half::bf16`).
     Bfloat16,
+    /// 8-bit float, 4 exponent and 3 mantissa bits (`ncclFloat8e4m3`,
+    /// NCCL 2.24+); moved by gathers, broadcasts and send/recv, reduced
+    /// only on GPUs of compute capability 9.0 or newer.
+    Float8E4M3,
+    /// 8-bit float, 5 exponent and 2 mantissa bits (`ncclFloat8e5m2`,
+    /// NCCL 2.24+).
+    Float8E5M2,
 }
 
 impl DataType {
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
-            DataType::Int8 | DataType::Uint8 => 1,
+            DataType::Int8 | DataType::Uint8 | DataType::Float8E4M3 | DataType::Float8E5M2 => 1,
             DataType::Float16 | DataType::Bfloat16 => 2,
             DataType::Int32 | DataType::Uint32 | DataType::Float32 => 4,
             DataType::Int64 | DataType::Uint64 | DataType::Float64 => 8,
@@ -63,7 +70,7 @@ impl DataType {
     }
 
     /// A short name: `"i8"`, `"u8"`, `"i32"`, `"u32"`, `"i64"`, `"u64"`,
-    /// `"f16"`, `"f32"`, `"f64"`, `"bf16"`.
+    /// `"f16"`, `"f32"`, `"f64"`, `"bf16"`, `"f8e4m3"`, `"f8e5m2"`.
     pub fn name(self) -> &'static str {
         match self {
             DataType::Int8 => "i8",
@@ -76,6 +83,8 @@ impl DataType {
             DataType::Float32 => "f32",
             DataType::Float64 => "f64",
             DataType::Bfloat16 => "bf16",
+            DataType::Float8E4M3 => "f8e4m3",
+            DataType::Float8E5M2 => "f8e5m2",
         }
     }
 
@@ -92,11 +101,13 @@ impl DataType {
             DataType::Float32 => ncclDataType_t::ncclFloat32,
             DataType::Float64 => ncclDataType_t::ncclFloat64,
             DataType::Bfloat16 => ncclDataType_t::ncclBfloat16,
+            DataType::Float8E4M3 => ncclDataType_t::ncclFloat8e4m3,
+            DataType::Float8E5M2 => ncclDataType_t::ncclFloat8e5m2,
         }
     }
 
     /// Every supported type.
-    pub const ALL: [DataType; 10] = [
+    pub const ALL: [DataType; 12] = [
         DataType::Int8,
         DataType::Uint8,
         DataType::Int32,
@@ -107,7 +118,15 @@ impl DataType {
         DataType::Float32,
         DataType::Float64,
         DataType::Bfloat16,
+        DataType::Float8E4M3,
+        DataType::Float8E5M2,
     ];
+
+    /// True for the types NCCL reduces on every supported GPU (integers,
+    /// f16, bf16, f32, f64); fp8 reductions need compute capability 9.0.
+    pub fn is_reducible_everywhere(self) -> bool {
+        !matches!(self, DataType::Float8E4M3 | DataType::Float8E5M2)
+    }
 }
 
 impl std::fmt::Display for DataType {
@@ -329,6 +348,24 @@ impl<T: Element> Drop for DeviceBuffer<T> {
     }
 }
 
+/// Copies `bytes` from device address `src` to `dst` on `stream`
+/// (`cuMemcpyDtoDAsync`), ordered with the stream's other work.
+///
+/// # Safety
+/// `src` and `dst` are device memory of `ctx`, each valid for `bytes` until
+/// the copy completes, not overlapping; `stream` is a live stream of `ctx`.
+pub unsafe fn copy_device_async(
+    ctx: &Context,
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    bytes: usize,
+    stream: cuda_sys::CUstream,
+) -> Result<()> {
+    ctx.make_current()?;
+    // SAFETY: this function's contract.
+    unsafe { cu!(cuMemcpyDtoDAsync_v2(dst, src, bytes, stream)) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -369,6 +406,8 @@ mod tests {
             (DataType::Float32, 7, 4, "f32"),
             (DataType::Float64, 8, 8, "f64"),
             (DataType::Bfloat16, 9, 2, "bf16"),
+            (DataType::Float8E4M3, 10, 1, "f8e4m3"),
+            (DataType::Float8E5M2, 11, 1, "f8e5m2"),
         ];
         assert_eq!(expected.len(), DataType::ALL.len());
         for ((d, raw, size, name), all) in expected.into_iter().zip(DataType::ALL) {

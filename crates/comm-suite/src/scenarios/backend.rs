@@ -10,10 +10,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
 use half::bf16;
+use metrale_comm::AddKernel;
 use metrale_comm::{
     AllReducePath, CommBackend, CommError, EnqueueMode, FastPathPolicy, LocalBackend, NcclBackend,
 };
-use nccl_safe::{DataType, DeviceBuffer, Stream};
+use nccl_safe::{DataType, DeviceBuffer, DeviceView, DeviceViewMut, Stream};
 
 use crate::RankCtx;
 use crate::data::{POISON_BYTE, SuiteElem, check, hash, random_vec, size_name, sum_in_rank_order};
@@ -151,19 +152,15 @@ fn sweep_with(ctx: &RankCtx, mode: EnqueueMode, sizes: &[usize]) -> anyhow::Resu
                     size_name(bytes)
                 );
                 ctx.step(what.clone());
-                let buf = DeviceBuffer::from_host(b.context(), &inputs[ctx.rank])?;
+                let mut buf = DeviceBuffer::from_host(b.context(), &inputs[ctx.rank])?;
                 if asynchronous {
-                    // SAFETY: `buf` holds `bytes` bytes on this backend's
-                    // device and lives until the compute stream is idle.
-                    unsafe { b.all_reduce_async(buf.device_ptr(), bytes, compute.raw() as u64) }
+                    b.all_reduce_async(buf.view_mut(), compute.as_ref())
                         .with_context(|| what.clone())?;
                     compute
                         .wait_until_idle(WAIT)
                         .with_context(|| what.clone())?;
                 } else {
-                    // SAFETY: as above; synchronize waits for the operation.
-                    unsafe { b.all_reduce(buf.device_ptr(), bytes) }
-                        .with_context(|| what.clone())?;
+                    b.all_reduce(buf.view_mut()).with_context(|| what.clone())?;
                     b.synchronize().with_context(|| what.clone())?;
                 }
                 let got = buf.to_host_vec()?;
@@ -207,9 +204,7 @@ fn every_operation_with(ctx: &RankCtx, mode: EnqueueMode) -> anyhow::Result<()> 
         ctx.step(format!("all_gather {}", size_name(bytes)));
         let mut recv = DeviceBuffer::<bf16>::alloc(&c, n * w)?;
         recv.fill_bytes(POISON_BYTE)?;
-        // SAFETY: send holds `bytes`, recv `bytes * w`, on this device, alive
-        // until synchronize returns.
-        unsafe { b.all_gather(send.device_ptr(), recv.device_ptr(), bytes)? };
+        b.all_gather(send.view(), recv.view_mut())?;
         b.synchronize()?;
         check(
             "backend all_gather",
@@ -231,8 +226,7 @@ fn every_operation_with(ctx: &RankCtx, mode: EnqueueMode) -> anyhow::Result<()> 
         } else {
             buf.fill_bytes(POISON_BYTE)?;
         }
-        // SAFETY: buf holds `bytes` on this device; broadcast waits for it.
-        unsafe { b.broadcast(buf.device_ptr(), bytes, root)? };
+        b.broadcast(buf.view_mut(), root)?;
         check(
             "backend broadcast",
             &buf.to_host_vec()?,
@@ -245,14 +239,11 @@ fn every_operation_with(ctx: &RankCtx, mode: EnqueueMode) -> anyhow::Result<()> 
         let mut recv = DeviceBuffer::<bf16>::alloc(&c, n)?;
         recv.fill_bytes(POISON_BYTE)?;
         let (to, from) = ((r + 1) % w, (r + w - 1) % w);
-        b.group_start()?;
-        // SAFETY: send and recv hold `bytes` on this device and live until
-        // the stream is idle below; the stream is of this backend's context.
-        let sr = unsafe {
-            b.send_to(send.device_ptr(), bytes, to, stream.raw() as u64)
-                .and_then(|()| b.recv_from(recv.device_ptr(), bytes, from, stream.raw() as u64))
-        };
-        b.group_end()?;
+        let group = metrale_comm::Group::start(&b)?;
+        let sr = b
+            .send_to(send.view(), to, stream.as_ref())
+            .and_then(|()| b.recv_from(recv.view_mut(), from, stream.as_ref()));
+        group.end()?;
         sr?;
         stream.wait_until_idle(WAIT)?;
         check(
@@ -267,18 +258,17 @@ fn every_operation_with(ctx: &RankCtx, mode: EnqueueMode) -> anyhow::Result<()> 
             "registered + symmetric all_reduce {}",
             size_name(bytes)
         ));
-        let sym = b.symmetric_alloc(bytes)?;
+        let mut sym = b.symmetric_alloc(bytes)?;
         let mut staging = DeviceBuffer::<bf16>::alloc(&c, n)?;
-        // SAFETY: `sym` is `bytes` of device memory from symmetric_alloc,
-        // alive until symmetric_free below.
-        let handle = unsafe { b.register_buffer(sym, bytes)? };
+        // SAFETY: `sym` stays allocated until symmetric_free below, after
+        // the deregistration.
+        let handle = unsafe { b.register_buffer(sym.view(DataType::Bfloat16))? };
         staging.copy_from_host(&inputs[r])?;
-        copy_d2d(&staging, sym, bytes)?;
-        // SAFETY: sym holds `bytes`; synchronize waits for the operation.
-        unsafe { b.all_reduce(sym, bytes)? };
+        copy_d2d(&staging, sym.ptr(), bytes)?;
+        b.all_reduce(sym.view_mut(DataType::Bfloat16))?;
         b.synchronize()?;
         staging.fill_bytes(POISON_BYTE)?;
-        copy_d2d_back(sym, &mut staging, bytes)?;
+        copy_d2d_back(sym.ptr(), &mut staging, bytes)?;
         check(
             "all_reduce on symmetric registered memory",
             &staging.to_host_vec()?,
@@ -297,13 +287,12 @@ fn every_operation_with(ctx: &RankCtx, mode: EnqueueMode) -> anyhow::Result<()> 
     )?;
     let f = module.function("bf16_add_inplace")?;
     // SAFETY: `f` is the project's add kernel with the required signature,
-    // loaded in this backend's context, alive until the backend shuts down.
-    unsafe { b.set_add_kernel(f.raw() as u64)? };
+    // loaded in this backend's context; `module` outlives the backend's use.
+    b.set_add_kernel(unsafe { AddKernel::from_raw(f.raw()) })?;
     let n = 65537;
     let inputs: Vec<Vec<bf16>> = (0..w).map(|k| random_vec(seed, k, 0xadd, n)).collect();
-    let buf = DeviceBuffer::from_host(&c, &inputs[r])?;
-    // SAFETY: buf holds 2n bytes; synchronize waits for the operation.
-    unsafe { b.all_reduce(buf.device_ptr(), 2 * n)? };
+    let mut buf = DeviceBuffer::from_host(&c, &inputs[r])?;
+    b.all_reduce(buf.view_mut())?;
     b.synchronize()?;
     check(
         "all_reduce with the engine's add kernel",
@@ -353,7 +342,6 @@ fn reduce_scatter<T: SuiteElem>(
     n: usize,
 ) -> anyhow::Result<()> {
     let (w, r) = (ctx.world_size, ctx.rank);
-    let esz = T::DATA_TYPE.size();
     let inputs: Vec<Vec<T>> = (0..w)
         .map(|k| random_vec(seed, k, salt ^ 0x75, n * w))
         .collect();
@@ -361,9 +349,7 @@ fn reduce_scatter<T: SuiteElem>(
     let send = DeviceBuffer::from_host(b.context(), &inputs[r])?;
     let mut recv = DeviceBuffer::<T>::alloc(b.context(), n)?;
     recv.fill_bytes(POISON_BYTE)?;
-    // SAFETY: send holds n*w elements, recv n, on this device, alive until
-    // synchronize returns.
-    unsafe { b.reduce_scatter(send.device_ptr(), recv.device_ptr(), n * esz, T::DATA_TYPE)? };
+    b.reduce_scatter(send.view(), recv.view_mut())?;
     b.synchronize()?;
     check(
         &format!("backend reduce_scatter {} x{n}", T::DATA_TYPE.name()),
@@ -416,8 +402,9 @@ fn graph_replay_with(
     let mut buf = DeviceBuffer::<bf16>::alloc(b.context(), n)?;
     ctx.step(format!("{name}: capture all_reduce_async"));
     compute.begin_capture()?;
-    // SAFETY: buf holds 2n bytes on this device and outlives every replay.
-    let r = unsafe { b.all_reduce_async(buf.device_ptr(), 2 * n, compute.raw() as u64) };
+    // The graph keeps the buffer's address: `buf` outlives every replay and
+    // is written only between them.
+    let r = b.all_reduce_async(buf.view_mut(), compute.as_ref());
     let graph = compute.end_capture()?;
     r?;
     let exec = graph.instantiate()?;
@@ -451,98 +438,168 @@ pub fn bad_inputs(ctx: &RankCtx) -> anyhow::Result<()> {
     let stream = Stream::new(&c)?;
     let buf = DeviceBuffer::<bf16>::alloc(&c, 64)?;
     let p = buf.device_ptr();
-    let s = stream.raw() as u64;
+    let s = stream.as_ref();
     type Kind = fn(&CommError) -> bool;
     let invalid: Kind = |e| matches!(e, CommError::InvalidArgument { .. });
     let unknown: Kind = |e| matches!(e, CommError::UnknownHandle { .. });
     let in_group: Kind = |e| matches!(e, CommError::InGroup { .. });
     let input: Kind = |e| e.is_invalid_input();
-    let mut table: Vec<(&str, Kind, metrale_comm::backend::Result<()>)> = Vec::new();
-    // SAFETY: each call below is refused before anything is submitted, or
-    // uses `buf` (128 bytes of this device) within bounds.
-    unsafe {
-        table.push(("all_reduce odd byte count", invalid, b.all_reduce(p, 3)));
-        table.push(("all_reduce null address", invalid, b.all_reduce(0, 64)));
-        table.push((
+    let bf = DataType::Bfloat16;
+    // Views of `buf` (128 bytes of this device) and of bad addresses; every
+    // call below is refused before anything is submitted.
+    // SAFETY: `p..p+128` is `buf`, alive to the end of this function; the
+    // null and misaligned views are refused by the argument checks.
+    let m = |ptr: u64, len: usize, dt: DataType| unsafe { DeviceViewMut::from_raw(ptr, len, dt) };
+    // SAFETY: as above.
+    let v = |ptr: u64, len: usize, dt: DataType| unsafe { DeviceView::from_raw(ptr, len, dt) };
+    let mut table: Vec<(&str, Kind, metrale_comm::Result<()>)> = vec![
+        (
+            "all_reduce null address",
+            invalid,
+            b.all_reduce(m(0, 32, bf)),
+        ),
+        (
             "all_reduce misaligned address",
             invalid,
-            b.all_reduce(p + 1, 64),
-        ));
-        table.push((
-            "all_reduce_async odd byte count",
+            b.all_reduce(m(p + 1, 32, bf)),
+        ),
+        (
+            "all_reduce of fp8",
             invalid,
-            b.all_reduce_async(p, 5, s),
-        ));
-        table.push(("all_gather null address", invalid, b.all_gather(0, p, 32)));
-        table.push((
+            b.all_reduce(m(p, 64, DataType::Float8E4M3)),
+        ),
+        (
+            "all_reduce_async misaligned f32",
+            invalid,
+            b.all_reduce_async(m(p + 2, 8, DataType::Float32), s),
+        ),
+        (
+            "all_gather null send address",
+            invalid,
+            b.all_gather(v(0, 16, bf), m(p, 16 * w, bf)),
+        ),
+        (
             "all_gather null receive address",
             invalid,
-            b.all_gather(p, 0, 32),
-        ));
-        table.push((
-            "reduce_scatter f32 not whole elements",
+            b.all_gather(v(p, 16, bf), m(0, 16 * w, bf)),
+        ),
+        (
+            "all_gather types differ",
             invalid,
-            b.reduce_scatter(p, p + 64, 6, DataType::Float32),
-        ));
-        table.push((
+            b.all_gather(v(p, 8, bf), m(p, 8 * w, DataType::Float16)),
+        ),
+        (
+            "all_gather receive too short",
+            invalid,
+            b.all_gather(v(p, 8, bf), m(p, 8 * w - 1, bf)),
+        ),
+        (
+            "reduce_scatter send too short",
+            invalid,
+            b.reduce_scatter(
+                v(p, 8 * w + 1, DataType::Float32),
+                m(p, 8, DataType::Float32),
+            ),
+        ),
+        (
             "reduce_scatter null",
             invalid,
-            b.reduce_scatter(0, p, 8, DataType::Bfloat16),
-        ));
-        table.push((
+            b.reduce_scatter(v(0, 4 * w, bf), m(p, 4, bf)),
+        ),
+        (
             "broadcast root out of range",
             invalid,
-            b.broadcast(p, 64, w),
-        ));
-        table.push(("broadcast null", invalid, b.broadcast(0, 64, 0)));
-        table.push(("send_to self", invalid, b.send_to(p, 64, r, s)));
-        table.push((
+            b.broadcast(m(p, 32, bf), w),
+        ),
+        ("broadcast null", invalid, b.broadcast(m(0, 32, bf), 0)),
+        ("send_to self", invalid, b.send_to(v(p, 32, bf), r, s)),
+        (
             "send_to rank out of range",
             invalid,
-            b.send_to(p, 64, w + 2, s),
-        ));
-        table.push(("recv_from self", invalid, b.recv_from(p, 64, r, s)));
-        table.push((
+            b.send_to(v(p, 32, bf), w + 2, s),
+        ),
+        ("recv_from self", invalid, b.recv_from(m(p, 32, bf), r, s)),
+        (
             "recv_from rank out of range",
             invalid,
-            b.recv_from(p, 64, w, s),
-        ));
-        table.push((
+            b.recv_from(m(p, 32, bf), w, s),
+        ),
+        (
             "recv_command_u32 root out of range",
             invalid,
-            b.recv_command_u32(p, w),
-        ));
-        table.push((
-            "register_buffer null",
+            b.recv_command_u32(m(p, 1, DataType::Uint32), w),
+        ),
+        (
+            "recv_command_u32 of 8 bytes",
             invalid,
-            b.register_buffer(0, 64).map(|_| ()),
+            b.recv_command_u32(m(p, 2, DataType::Uint32), (r + 1) % w),
+        ),
+        (
+            "all_to_all_v with too few counts",
+            invalid,
+            b.all_to_all_v(v(p, 8, bf), &[8], m(p, 8, bf), &vec![0; w + 1]),
+        ),
+        (
+            "all_to_all_v counts past the buffer",
+            invalid,
+            b.all_to_all_v(v(p, 8, bf), &vec![9; w], m(p, 64, bf), &vec![9; w]),
+        ),
+        (
+            "set_add_kernel null",
+            invalid,
+            // SAFETY: refused (null) before it is ever launched.
+            b.set_add_kernel(unsafe { AddKernel::from_raw(std::ptr::null_mut()) }),
+        ),
+    ];
+    if w > 1 {
+        table.push((
+            "all_to_all of unequal blocks",
+            invalid,
+            b.all_to_all(v(p, 8 * w + 1, bf), m(p, 8 * w + 1, bf)),
         ));
-        table.push(("set_add_kernel null", invalid, b.set_add_kernel(0)));
     }
+    // SAFETY: refused (null) before NCCL sees it.
+    let null_registration = unsafe { b.register_buffer(v(0, 32, bf)) }.map(|_| ());
+    table.push(("register_buffer null", invalid, null_registration));
+    // SAFETY: a handle value this backend never handed out.
+    let never = unsafe { metrale_comm::Registration::from_raw(0xdead_beef) };
     table.push((
         "deregister_buffer unknown",
         unknown,
-        b.deregister_buffer(0xdead_beef),
+        b.deregister_buffer(never),
     ));
+    // SAFETY: an address this backend never handed out.
+    let stranger = unsafe { metrale_comm::SymmetricAlloc::from_raw(0x1234_5000, 256) };
     table.push((
         "symmetric_free unknown",
         unknown,
-        b.symmetric_free(0x1234_5000),
+        b.symmetric_free(stranger),
     ));
     let sym = b.symmetric_alloc(256)?;
+    let (sp, sn) = (sym.ptr(), sym.bytes());
     b.symmetric_free(sym)?;
-    table.push(("symmetric_free twice", unknown, b.symmetric_free(sym)));
+    // SAFETY: a copy of a freed handle, which the backend must refuse.
+    let again = unsafe { metrale_comm::SymmetricAlloc::from_raw(sp, sn) };
+    table.push(("symmetric_free twice", unknown, b.symmetric_free(again)));
     // SAFETY: buf is 128 bytes of this device, alive past the deregistration.
-    let h = unsafe { b.register_buffer(p, 128)? };
+    let h = unsafe { b.register_buffer(buf.view())? };
+    let raw = h.as_raw();
     b.deregister_buffer(h)?;
-    table.push(("deregister_buffer twice", unknown, b.deregister_buffer(h)));
+    // SAFETY: a copy of a released handle, which the backend must refuse.
+    let again = unsafe { metrale_comm::Registration::from_raw(raw) };
+    table.push((
+        "deregister_buffer twice",
+        unknown,
+        b.deregister_buffer(again),
+    ));
     b.group_start()?;
     table.push(("synchronize inside a group", in_group, b.synchronize()));
     table.push(("barrier inside a group", in_group, b.barrier()));
-    // SAFETY: refused before anything is submitted (it waits).
-    table.push(("broadcast inside a group", in_group, unsafe {
-        b.broadcast(p, 64, 0)
-    }));
+    table.push((
+        "broadcast inside a group",
+        in_group,
+        b.broadcast(m(p, 32, bf), 0),
+    ));
     b.group_end()?;
     table.push(("group_end without group_start", input, b.group_end()));
     let mut failures = Vec::new();
@@ -566,9 +623,8 @@ pub fn bad_inputs(ctx: &RankCtx) -> anyhow::Result<()> {
     );
     ctx.step("all_reduce after bad inputs");
     let inputs: Vec<Vec<bf16>> = (0..w).map(|k| random_vec(seed, k, 9, 1000)).collect();
-    let buf = DeviceBuffer::from_host(&c, &inputs[r])?;
-    // SAFETY: buf holds 2000 bytes; synchronize waits for the operation.
-    unsafe { b.all_reduce(buf.device_ptr(), 2000)? };
+    let mut buf = DeviceBuffer::from_host(&c, &inputs[r])?;
+    b.all_reduce(buf.view_mut())?;
     b.synchronize()?;
     check(
         "all_reduce after bad inputs",
@@ -581,8 +637,7 @@ pub fn bad_inputs(ctx: &RankCtx) -> anyhow::Result<()> {
     b.shutdown()?;
     ctx.step("calls after shutdown");
     ensure!(!b.is_healthy(), "healthy after shutdown");
-    // SAFETY: refused before anything is submitted.
-    let reduced = unsafe { b.all_reduce(buf.device_ptr(), 2000) };
+    let reduced = b.all_reduce(buf.view_mut());
     let after = [
         ("all_reduce", reduced),
         ("barrier", b.barrier()),
@@ -612,36 +667,24 @@ pub fn local_backend(ctx: &RankCtx) -> anyhow::Result<()> {
     );
     let n = 4097;
     let x: Vec<bf16> = random_vec(seed, 0, 1, n);
-    let buf = DeviceBuffer::from_host(&c, &x)?;
+    let mut buf = DeviceBuffer::from_host(&c, &x)?;
     ctx.step("LocalBackend all_reduce");
-    // SAFETY: buf holds 2n bytes; synchronize waits for it.
-    unsafe { b.all_reduce(buf.device_ptr(), 2 * n)? };
+    b.all_reduce(buf.view_mut())?;
     b.synchronize()?;
     check("local all_reduce", &buf.to_host_vec()?, &x, true, 1)?;
     let mut out = DeviceBuffer::<bf16>::alloc(&c, n)?;
     out.fill_bytes(POISON_BYTE)?;
-    // SAFETY: both hold 2n bytes; synchronize waits for it.
-    unsafe { b.all_gather(buf.device_ptr(), out.device_ptr(), 2 * n)? };
+    b.all_gather(buf.view(), out.view_mut())?;
     b.synchronize()?;
     check("local all_gather", &out.to_host_vec()?, &x, true, 1)?;
     out.fill_bytes(POISON_BYTE)?;
-    // SAFETY: as above.
-    unsafe {
-        b.reduce_scatter(
-            buf.device_ptr(),
-            out.device_ptr(),
-            2 * n,
-            DataType::Bfloat16,
-        )?
-    };
+    b.reduce_scatter(buf.view(), out.view_mut())?;
     b.synchronize()?;
     check("local reduce_scatter", &out.to_host_vec()?, &x, true, 1)?;
-    // SAFETY: buf holds 2n bytes.
-    unsafe { b.broadcast(buf.device_ptr(), 2 * n, 0)? };
+    b.broadcast(buf.view_mut(), 0)?;
     check("local broadcast", &buf.to_host_vec()?, &x, true, 1)?;
     b.barrier()?;
-    // SAFETY: refused before anything is submitted.
-    match unsafe { b.send_to(buf.device_ptr(), 2, 0, b.stream()) } {
+    match b.send_to(buf.view(), 0, b.stream()) {
         Err(CommError::Unsupported { .. } | CommError::InvalidArgument { .. }) => {}
         other => bail!("LocalBackend send_to: expected Unsupported, got {other:?}"),
     }
@@ -664,12 +707,10 @@ pub fn engine_flow(ctx: &RankCtx) -> anyhow::Result<()> {
         ctx.step(format!("command {i}"));
         if r == 0 {
             cmd.copy_from_host(&[value])?;
-            // SAFETY: cmd holds 4 bytes on this device.
-            unsafe { dynb.broadcast(cmd.device_ptr(), 4, 0)? };
+            dynb.broadcast(cmd.view_mut(), 0)?;
         } else {
             cmd.fill_bytes(POISON_BYTE)?;
-            // SAFETY: cmd holds 4 bytes on this device.
-            unsafe { dynb.recv_command_u32(cmd.device_ptr(), 0)? };
+            dynb.recv_command_u32(cmd.view_mut(), 0)?;
             let got = cmd.to_host_vec()?[0];
             ensure!(
                 got == value,
@@ -680,9 +721,8 @@ pub fn engine_flow(ctx: &RankCtx) -> anyhow::Result<()> {
     ctx.step("flow all_reduce");
     let n = 1 << 16;
     let inputs: Vec<Vec<bf16>> = (0..w).map(|k| random_vec(seed, k, 3, n)).collect();
-    let buf = DeviceBuffer::from_host(&c, &inputs[r])?;
-    // SAFETY: buf holds 2n bytes; synchronize waits for the operation.
-    unsafe { dynb.all_reduce(buf.device_ptr(), 2 * n)? };
+    let mut buf = DeviceBuffer::from_host(&c, &inputs[r])?;
+    dynb.all_reduce(buf.view_mut())?;
     dynb.synchronize()?;
     check(
         "flow all_reduce",
@@ -694,8 +734,7 @@ pub fn engine_flow(ctx: &RankCtx) -> anyhow::Result<()> {
     dynb.barrier()?;
     dynb.shutdown()?;
     dynb.shutdown()?;
-    // SAFETY: refused: the backend is shut down.
-    match unsafe { dynb.all_reduce(buf.device_ptr(), 2 * n) } {
+    match dynb.all_reduce(buf.view_mut()) {
         Err(CommError::Shutdown { .. }) => {}
         other => bail!("all_reduce after shutdown: expected Shutdown, got {other:?}"),
     }
@@ -717,9 +756,8 @@ pub fn fixed_unique_id(ctx: &RankCtx) -> anyhow::Result<()> {
     );
     let n = 4097;
     let inputs: Vec<Vec<bf16>> = (0..w).map(|k| random_vec(seed, k, 5, n)).collect();
-    let buf = DeviceBuffer::from_host(b.context(), &inputs[r])?;
-    // SAFETY: buf holds 2n bytes on this device; synchronize waits for it.
-    unsafe { b.all_reduce(buf.device_ptr(), 2 * n)? };
+    let mut buf = DeviceBuffer::from_host(b.context(), &inputs[r])?;
+    b.all_reduce(buf.view_mut())?;
     b.synchronize()?;
     check(
         "all_reduce over a fixed unique id",
@@ -739,8 +777,7 @@ pub fn fixed_unique_id(ctx: &RankCtx) -> anyhow::Result<()> {
         "expected a rendezvous error, got {err}"
     );
     ensure!(!b.is_healthy(), "healthy without a communicator");
-    // SAFETY: refused before anything is submitted.
-    match unsafe { b.all_reduce(buf.device_ptr(), 2 * n) } {
+    match b.all_reduce(buf.view_mut()) {
         Err(CommError::Poisoned { cause, .. })
             if matches!(cause.kind, metrale_comm::FailureKind::Reconnect(_)) => {}
         other => bail!("after a failed reconnect: expected Poisoned by it, got {other:?}"),

@@ -3,6 +3,7 @@
 //! Invariant: names are unique; every scenario's `emu_worlds` lie within
 //! its `min_ranks..=max_ranks`.
 
+pub mod api;
 pub mod backend;
 pub mod reliability;
 pub mod safe;
@@ -149,6 +150,42 @@ pub fn all() -> Vec<Scenario> {
             &[1, 2],
             Nothing,
             backend::engine_flow,
+        ),
+        s(
+            "api_all_reduce_dtypes",
+            "f16, f32 and bf16 all_reduce, sync and async, 1 element to 2 MiB",
+            1,
+            None,
+            &[1, 2, 3],
+            Nothing,
+            api::all_reduce_dtypes,
+        ),
+        s(
+            "api_all_to_all",
+            "all_to_all with equal blocks and all_to_all_v with per-peer counts",
+            1,
+            None,
+            &[1, 2, 3, 4],
+            Nothing,
+            api::all_to_all,
+        ),
+        s(
+            "api_split_concurrent",
+            "split into two sub-groups running collectives at once; the parent still works",
+            2,
+            None,
+            &[2, 4],
+            Nothing,
+            api::split_concurrent,
+        ),
+        s(
+            "api_thread_groups",
+            "a group belongs to its thread: another thread's barrier waits for it, unaffected",
+            1,
+            None,
+            &[1, 2, 3],
+            Nothing,
+            api::thread_groups,
         ),
         s(
             "rel_skipped_collective",

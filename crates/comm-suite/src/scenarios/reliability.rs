@@ -50,9 +50,8 @@ fn all_reduce_ok(ctx: &RankCtx, b: &NcclBackend, salt: u64) -> anyhow::Result<()
     let w = ctx.world_size;
     let seed = ctx.shared_seed(&format!("ar-{salt}"))?;
     let inputs: Vec<Vec<bf16>> = (0..w).map(|k| random_vec(seed, k, salt, 1000)).collect();
-    let buf = DeviceBuffer::from_host(b.context(), &inputs[ctx.rank])?;
-    // SAFETY: buf holds 2000 bytes on this device; synchronize waits for it.
-    unsafe { b.all_reduce(buf.device_ptr(), 2000)? };
+    let mut buf = DeviceBuffer::from_host(b.context(), &inputs[ctx.rank])?;
+    b.all_reduce(buf.view_mut())?;
     b.synchronize()?;
     check(
         "all_reduce",
@@ -89,7 +88,7 @@ fn expect_timeout(
 pub fn skipped_collective(ctx: &RankCtx) -> anyhow::Result<()> {
     let b = ctx.backend("skip", short(ctx))?;
     all_reduce_ok(ctx, &b, 1)?;
-    let buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
+    let mut buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
     if ctx.rank == 1 {
         ctx.step("skipping the second all_reduce");
         ctx.get("skip/verdict")?;
@@ -112,8 +111,7 @@ pub fn skipped_collective(ctx: &RankCtx) -> anyhow::Result<()> {
     }
     ctx.step("all_reduce that rank 1 skips");
     let t = Instant::now();
-    // SAFETY: buf holds 2000 bytes on this device; synchronize waits for it.
-    let r = unsafe { b.all_reduce(buf.device_ptr(), 2000) }.and_then(|()| b.synchronize());
+    let r = b.all_reduce(buf.view_mut()).and_then(|()| b.synchronize());
     let took = t.elapsed();
     let f = expect_timeout("skipped all_reduce", r, took)?;
     ensure!(
@@ -163,11 +161,10 @@ pub fn injected_hang(ctx: &RankCtx) -> anyhow::Result<()> {
         emu.inject(1, Fault::Hang, 1)?;
     }
     ctx.barrier("hang injected")?;
-    let buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
+    let mut buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
     ctx.step("all_reduce with rank 1 hanging");
     let t = Instant::now();
-    // SAFETY: buf holds 2000 bytes on this device; synchronize waits for it.
-    let r = unsafe { b.all_reduce(buf.device_ptr(), 2000) }.and_then(|()| b.synchronize());
+    let r = b.all_reduce(buf.view_mut()).and_then(|()| b.synchronize());
     expect_timeout("hung all_reduce", r, t.elapsed())?;
     ctx.barrier("hang seen")?;
     b.shutdown().ok();
@@ -188,11 +185,10 @@ pub fn blocking_stall(ctx: &RankCtx) -> anyhow::Result<()> {
     if ctx.rank == 0 {
         // The next enqueue call stalls.
         emu.inject(0, Fault::Stalls, 1)?;
-        let buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
+        let mut buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
         ctx.step("all_reduce stuck inside NCCL");
         let t = Instant::now();
-        // SAFETY: buf holds 2000 bytes on this device.
-        let r = unsafe { b.all_reduce(buf.device_ptr(), 2000) };
+        let r = b.all_reduce(buf.view_mut());
         let f = expect_timeout("stalled all_reduce", r, t.elapsed())?;
         let seq = b.recorder().last_seq();
         ensure!(
@@ -266,9 +262,8 @@ pub fn async_error_poisons(ctx: &RankCtx) -> anyhow::Result<()> {
     }
     ctx.barrier("async injected")?;
     ctx.step("all_reduce with an async error on rank 0");
-    let buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
-    // SAFETY: buf holds 2000 bytes on this device; synchronize waits for it.
-    let r = unsafe { b.all_reduce(buf.device_ptr(), 2000) }.and_then(|()| b.synchronize());
+    let mut buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
+    let r = b.all_reduce(buf.view_mut()).and_then(|()| b.synchronize());
     if ctx.rank != 0 {
         r?;
         b.shutdown()?;
@@ -313,12 +308,11 @@ fn refuse_1000(
     nccl_calls: Option<(&crate::EmuControl, u64)>,
 ) -> anyhow::Result<()> {
     ctx.step("1000 refused calls");
-    let buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
+    let mut buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
     let mut times = Vec::with_capacity(1000);
     for _ in 0..1000 {
         let t = Instant::now();
-        // SAFETY: refused by the poisoned backend; buf holds 2000 bytes anyway.
-        let r = unsafe { b.all_reduce(buf.device_ptr(), 2000) };
+        let r = b.all_reduce(buf.view_mut());
         times.push(t.elapsed());
         ensure!(
             matches!(r, Err(CommError::Poisoned { .. })),
@@ -352,9 +346,8 @@ fn poisoned_refusals_on_gpu(ctx: &RankCtx) -> anyhow::Result<()> {
         b.shutdown().ok();
         return Ok(());
     }
-    let buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
-    // SAFETY: buf holds 2000 bytes on this device; synchronize waits for it.
-    let r = unsafe { b.all_reduce(buf.device_ptr(), 2000) }.and_then(|()| b.synchronize());
+    let mut buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
+    let r = b.all_reduce(buf.view_mut()).and_then(|()| b.synchronize());
     ensure!(r.is_err(), "the all_reduce no peer joined completed");
     refuse_1000(ctx, &b, None)?;
     ctx.set("poison/done", b"1")?;
@@ -382,9 +375,8 @@ pub fn reconnect_cycles(ctx: &RankCtx) -> anyhow::Result<()> {
             emu.inject(0, Fault::AsyncError, 1)?;
         }
         ctx.barrier(&format!("inject {cycle}"))?;
-        let buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
-        // SAFETY: buf holds 2000 bytes on this device; synchronize waits for it.
-        let _ = unsafe { b.all_reduce(buf.device_ptr(), 2000) }.and_then(|()| b.synchronize());
+        let mut buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
+        let _ = b.all_reduce(buf.view_mut()).and_then(|()| b.synchronize());
         drop(buf);
         if ctx.rank == 0 {
             let until = Instant::now() + TIMEOUT + SLACK;
@@ -461,8 +453,7 @@ pub fn idle_command_wait(ctx: &RankCtx) -> anyhow::Result<()> {
     cfg.shutdown_timeout = TIMEOUT;
     let b = std::sync::Arc::new(ctx.backend("idle", cfg.clone())?);
     if ctx.rank == 1 {
-        let cmd = DeviceBuffer::<u32>::alloc(b.context(), 1)?;
-        let ptr = cmd.device_ptr();
+        let mut cmd = DeviceBuffer::<u32>::alloc(b.context(), 1)?;
         let b2 = b.clone();
         ctx.step("recv_command_u32, shut down after 500 ms");
         let stopper = std::thread::spawn(move || {
@@ -471,8 +462,7 @@ pub fn idle_command_wait(ctx: &RankCtx) -> anyhow::Result<()> {
             let r = b2.shutdown();
             (t, r)
         });
-        // SAFETY: cmd holds 4 bytes on this device and outlives the call.
-        let r = unsafe { b.recv_command_u32(ptr, 0) };
+        let r = b.recv_command_u32(cmd.view_mut(), 0);
         let returned = Instant::now();
         let (started, _shutdown) = stopper
             .join()
@@ -510,11 +500,10 @@ pub fn idle_command_wait(ctx: &RankCtx) -> anyhow::Result<()> {
         barrier?;
     }
     if ctx.rank == 1 {
-        let cmd = DeviceBuffer::<u32>::alloc(b.context(), 1)?;
+        let mut cmd = DeviceBuffer::<u32>::alloc(b.context(), 1)?;
         ctx.step("recv_command_u32 while an async error poisons");
         let t = Instant::now();
-        // SAFETY: cmd holds 4 bytes on this device and outlives the call.
-        let r = unsafe { b.recv_command_u32(cmd.device_ptr(), 0) };
+        let r = b.recv_command_u32(cmd.view_mut(), 0);
         let took = t.elapsed();
         ensure!(r.is_err(), "recv_command_u32 returned Ok without a command");
         ensure!(
@@ -537,14 +526,13 @@ pub fn sigkill_rank(ctx: &RankCtx) -> anyhow::Result<()> {
         ));
     }
     let b = ctx.backend("sigkill", short(ctx))?;
-    let buf = DeviceBuffer::<bf16>::alloc(b.context(), 1 << 20)?;
+    let mut buf = DeviceBuffer::<bf16>::alloc(b.context(), 1 << 20)?;
     let start = Instant::now();
     let mut last_ok = Instant::now();
     let mut n = 0u64;
     while start.elapsed() < Duration::from_secs(60) {
         ctx.step(format!("all_reduce loop {n}"));
-        // SAFETY: buf holds 2 MiB on this device; synchronize waits for it.
-        let r = unsafe { b.all_reduce(buf.device_ptr(), 2 << 20) }.and_then(|()| b.synchronize());
+        let r = b.all_reduce(buf.view_mut()).and_then(|()| b.synchronize());
         match r {
             Ok(()) => {
                 last_ok = Instant::now();
@@ -596,10 +584,7 @@ fn timed_out_all_reduce(ctx: &RankCtx, b: &NcclBackend, cycle: u64) -> anyhow::R
         "cycle {cycle}: all_reduce seq {seq} that rank 1 skips"
     ));
     let t = Instant::now();
-    // SAFETY: buf holds 2000 bytes on this device and outlives the call;
-    // synchronize waits for it or the deadline, which aborts the
-    // communicator before it returns.
-    let r = unsafe { b.all_reduce(buf.device_ptr(), 2000) }.and_then(|()| b.synchronize());
+    let r = b.all_reduce(buf.view_mut()).and_then(|()| b.synchronize());
     let took = t.elapsed();
     let e = match r {
         Ok(()) => bail!("cycle {cycle}: an all_reduce no peer joined completed"),
@@ -648,9 +633,7 @@ fn all_reduce_poisoned_first(ctx: &RankCtx, b: &NcclBackend, salt: u64) -> anyho
         "the buffer did not read back poisoned"
     );
     buf.copy_from_host(&inputs[ctx.rank])?;
-    // SAFETY: buf holds 2000 bytes on this device and outlives the call;
-    // synchronize waits for it.
-    unsafe { b.all_reduce(buf.device_ptr(), 2000)? };
+    b.all_reduce(buf.view_mut())?;
     b.synchronize()?;
     check(
         "all_reduce after reconnect",

@@ -32,7 +32,7 @@ use cuda_sys::LoadError;
 use nccl_sys::{Nccl, ncclComm_t, ncclResult_t};
 
 use crate::driver::Context;
-use crate::error::{Error, Result, nccl_check, nccl_lib};
+use crate::error::{Error, Result, nccl_async_check, nccl_check, nccl_lib};
 use crate::memory::{DeviceBuffer, Element};
 use crate::stream::Stream;
 
@@ -141,7 +141,7 @@ impl Comm {
         if r == ncclResult_t::ncclInProgress {
             return Ok(());
         }
-        nccl_check(r, ASYNC_ERROR_CALL, self.raw)
+        nccl_async_check(r, self.raw)
     }
 
     /// NCCL's last error text (`ncclGetLastError`).

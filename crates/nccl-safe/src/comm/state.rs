@@ -12,7 +12,7 @@ use nccl_sys::{ncclComm_t, ncclResult_t};
 use parking_lot::Mutex;
 
 use crate::driver::Context;
-use crate::error::{Error, Result, nccl_check};
+use crate::error::{Error, Result, nccl_async_check, nccl_check};
 use crate::stream::poll_until;
 
 use super::*;
@@ -96,7 +96,7 @@ pub(super) fn wait_shared(
             } else {
                 std::ptr::null_mut()
             };
-            nccl_check(r, ASYNC_ERROR_CALL, raw).map(|()| true)
+            nccl_async_check(r, raw).map(|()| true)
         }
     })
 }
@@ -159,6 +159,6 @@ impl AbortHandle {
         if result == ncclResult_t::ncclInProgress {
             return Ok(());
         }
-        nccl_check(result, ASYNC_ERROR_CALL, st.raw)
+        nccl_async_check(result, st.raw)
     }
 }

@@ -1,0 +1,353 @@
+//! A backend's life: connecting a communicator, splitting one, reconnecting,
+//! and shutdown in a safe order whatever state the backend is in.
+//!
+//! Invariants:
+//! - A reconnect aborts before it takes the slot (a thread inside NCCL
+//!   holding it is released by the abort), keeps the streams, events,
+//!   scratch and kernel (an engine may hold the stream), and drops the old
+//!   communicator's registrations.
+//! - Shutdown: abort first when nothing enqueued can finish (poisoned, or
+//!   a command receive still waiting for the root); drain (bounded) every
+//!   stream and event the backend's work used; only then deregister and
+//!   free. Memory whose work cannot be proven finished is leaked with an
+//!   error log, never freed under a kernel.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use nccl_safe::{Comm, Event, UniqueId};
+
+use super::{Inner, NcclBackend, Slot};
+use crate::backend::Result;
+use crate::config::EnqueueMode;
+use crate::error::{CommError, FailureKind};
+use crate::health::Health;
+
+impl Inner {
+    /// Agrees on a unique id for `generation` and initialises the
+    /// communicator into `slot`, bounded by the init timeout.
+    pub(super) fn connect(&self, slot: &mut Slot, generation: u64) -> Result<()> {
+        let timeout = self.config.init_timeout;
+        let Some(rendezvous) = self.rendezvous.as_ref() else {
+            return Err(CommError::Unsupported {
+                op: "attempt_reconnect",
+                reason: "a split backend reconnects by reconnecting its parent and \
+                         splitting again"
+                    .into(),
+            });
+        };
+        let mut make = || {
+            UniqueId::new()
+                .map(|id| *id.as_bytes())
+                .map_err(|e| e.to_string())
+        };
+        let bytes = rendezvous.exchange_id(generation, &mut make, timeout)?;
+        let id = UniqueId::from_bytes(&bytes).map_err(|e| CommError::setup("unique id", e))?;
+        let who = format!(
+            "rank {} of {} (generation {generation})",
+            self.rank, self.world_size
+        );
+        let mut comm =
+            Comm::init_rank_with_deadline(&self.ctx, &id, self.world_size, self.rank, timeout)
+                .map_err(|e| CommError::setup_of("communicator init", who.clone(), e))?;
+        if self.config.enqueue == EnqueueMode::Blocking {
+            comm = comm
+                .into_blocking(timeout)
+                .map_err(|e| CommError::setup_of("blocking communicator", who, e))?;
+        }
+        self.install(slot, comm, generation);
+        Ok(())
+    }
+
+    /// Makes `comm` this backend's communicator of `generation`.
+    pub(super) fn install(&self, slot: &mut Slot, mut comm: Comm, generation: u64) {
+        // A call waits for NCCL's background enqueue at most as long as the
+        // operation itself may take.
+        comm.set_enqueue_deadline(Some(self.config.collective_timeout));
+        *self.abort.lock() = Some(comm.abort_handle());
+        slot.comm = Some(comm);
+        self.generation.store(generation, Ordering::Release);
+    }
+
+    /// Waits, until `deadline`, for all work the backend enqueued: its own
+    /// and comm streams, the last fast path that used the scratch buffer
+    /// (possibly on a caller's stream), and every watched submission.
+    fn drain(&self, slot: &Slot, deadline: Instant) -> nccl_safe::Result<()> {
+        let left = || deadline.saturating_duration_since(Instant::now());
+        for s in [&slot.stream, &slot.comm_stream] {
+            s.wait_until_idle(left())?;
+        }
+        if slot.scratch_stream.is_some() {
+            slot.scratch_free.wait_with_deadline(left())?;
+        }
+        let events: Vec<Arc<Event>> = self
+            .watched
+            .lock()
+            .iter()
+            .map(|w| w.event.clone())
+            .collect();
+        for ev in events {
+            ev.wait_with_deadline(left())?;
+        }
+        Ok(())
+    }
+
+    fn abort_now(&self, why: &str) {
+        if let Some(handle) = self.abort.lock().as_ref()
+            && let Err(e) = handle.abort()
+        {
+            tracing::warn!(rank = self.rank, "{why}: abort failed: {e}");
+        }
+    }
+}
+
+impl NcclBackend {
+    /// See [`crate::CommBackend::split`].
+    pub fn split_backend(&self, color: Option<u32>, key: usize) -> Result<Option<NcclBackend>> {
+        const OP: &str = "split";
+        let inner = &*self.inner;
+        let color = color
+            .map(|c| {
+                i32::try_from(c).map_err(|_| CommError::InvalidArgument {
+                    op: OP,
+                    reason: format!("color {c} exceeds i32::MAX"),
+                })
+            })
+            .transpose()?;
+        let key = i32::try_from(key).map_err(|_| CommError::InvalidArgument {
+            op: OP,
+            reason: format!("key {key} exceeds i32::MAX"),
+        })?;
+        inner.check_usable(OP)?;
+        let slot = inner.lock_slot(OP)?;
+        inner.refuse_in_group(&slot, OP)?;
+        let comm = slot
+            .comm(OP)
+            .map_err(|source| CommError::Refused { op: OP, source })?;
+        let seq = inner.recorder.record(OP, "-", 0, 0, None);
+        let child = inner.in_nccl(OP, seq, || comm.split(color, key));
+        drop(slot);
+        let child = match child {
+            Ok(Some(child)) => child,
+            Ok(None) => return Ok(None),
+            Err(e) if e.is_nccl(nccl_safe::NcclCode::InvalidArgument) => {
+                return Err(CommError::Refused { op: OP, source: e });
+            }
+            Err(e) => return Err(inner.fail(OP, seq, e)),
+        };
+        let (rank, world) = (child.rank(), child.count());
+        let child_inner = Inner::new(
+            inner.config.clone(),
+            rank,
+            world,
+            None,
+            Some(inner.ctx.clone()),
+        )?;
+        {
+            let mut slot = child_inner.slot.lock();
+            child_inner
+                .ensure_scratch(&mut slot)
+                .map_err(|e| CommError::setup("fast-path scratch buffer", e))?;
+            child_inner.install(&mut slot, child, 0);
+        }
+        NcclBackend::start(child_inner).map(Some)
+    }
+
+    pub(super) fn reconnect(&self) -> Result<()> {
+        const OP: &str = "attempt_reconnect";
+        let inner = &*self.inner;
+        if inner.health.is_shutdown() {
+            return Err(CommError::Shutdown { op: OP });
+        }
+        if inner.rendezvous.is_none() {
+            return Err(CommError::Unsupported {
+                op: OP,
+                reason: "a split backend reconnects by reconnecting its parent and \
+                         splitting again"
+                    .into(),
+            });
+        }
+        if !inner.health.begin_reconnect() {
+            return Err(CommError::Reconnecting { op: OP });
+        }
+        struct EndReconnect<'a>(&'a Health);
+        impl Drop for EndReconnect<'_> {
+            fn drop(&mut self) {
+                self.0.end_reconnect();
+            }
+        }
+        let _end = EndReconnect(&inner.health);
+        // Abort first, without the slot lock: a thread inside NCCL holding the
+        // lock is released by the abort.
+        if let Some(handle) = inner.abort.lock().take()
+            && let Err(e) = handle.abort()
+        {
+            tracing::warn!(rank = inner.rank, "abort before reconnect failed: {e}");
+        }
+        let mut slot = inner.slot.lock();
+        drop(slot.comm.take());
+        if !slot.registered.is_empty() {
+            tracing::warn!(
+                rank = inner.rank,
+                count = slot.registered.len(),
+                "registrations die with the old communicator; register again"
+            );
+            slot.registered.clear();
+        }
+        let next = inner.generation.load(Ordering::Acquire) + 1;
+        // The streams, events, scratch and kernel stay: the abort ended the
+        // old communicator's kernels, the scratch's next user waits for its
+        // last one, and an engine may hold `stream()`.
+        if slot.group.take().is_some() {
+            inner.group_closed.notify_all();
+        }
+        inner.watched.lock().clear();
+        inner.event_pool.lock().clear();
+        if let Err(e) = inner.connect(&mut slot, next) {
+            drop(slot);
+            // No communicator is left: make every later call say why.
+            let seq = inner.recorder.last_seq();
+            inner.health.clear();
+            inner.poison(OP, seq, FailureKind::Reconnect(Box::new(e.clone())));
+            return Err(e);
+        }
+        inner.health.clear();
+        tracing::info!(
+            rank = inner.rank,
+            generation = next,
+            "communicator reconnected"
+        );
+        Ok(())
+    }
+
+    pub(super) fn shut_down(&self) -> Result<()> {
+        let inner = &*self.inner;
+        if !inner.health.begin_shutdown() {
+            return Ok(());
+        }
+        let timeout = inner.config.shutdown_timeout;
+        let deadline = Instant::now() + timeout;
+        let mut aborted = false;
+        let mut timed_out = false;
+        // A command receive left enqueued completes only when the root sends
+        // its next command; a poisoned communicator completes nothing: abort
+        // both at once, so that the streams drain.
+        let idle_left = inner
+            .idle_pending
+            .lock()
+            .as_ref()
+            .is_some_and(|ev| !matches!(ev.query(), Ok(true)));
+        if idle_left || inner.health.is_poisoned() {
+            inner.abort_now("shutdown");
+            aborted = true;
+        }
+        // A thread inside a blocking NCCL call holds the slot; an abort makes
+        // NCCL return.
+        let mut slot = match inner.slot.try_lock_until(deadline) {
+            Some(slot) => slot,
+            None => {
+                timed_out = true;
+                inner.abort_now("shutdown");
+                aborted = true;
+                match inner.slot.try_lock_for(timeout) {
+                    Some(slot) => slot,
+                    None => {
+                        tracing::error!(
+                            rank = inner.rank,
+                            "shutdown: a thread stays inside NCCL after the abort; \
+                             the backend's memory is left allocated"
+                        );
+                        self.join_watchdog();
+                        return Err(CommError::Refused {
+                            op: "shutdown",
+                            source: nccl_safe::Error::Timeout {
+                                what: "the communicator lock after abort",
+                                after: timeout,
+                            },
+                        });
+                    }
+                }
+            }
+        };
+        let mut drained = inner.drain(&slot, deadline);
+        if drained.is_err() && !aborted {
+            timed_out = true;
+            tracing::warn!(
+                rank = inner.rank,
+                "shutdown: work did not drain within {timeout:?}; aborting the communicator"
+            );
+            inner.abort_now("shutdown");
+            aborted = true;
+            drained = inner.drain(&slot, Instant::now() + timeout);
+        }
+        let result = match drained {
+            Ok(()) => {
+                if !aborted && let Some(comm) = slot.comm.take() {
+                    for handle in std::mem::take(&mut slot.registered).into_keys() {
+                        // SAFETY: each handle came from `register_raw` on this
+                        // communicator and is deregistered once, after its
+                        // work drained.
+                        if let Err(e) = unsafe { comm.deregister_raw(handle as *mut c_void) } {
+                            tracing::warn!(rank = inner.rank, "shutdown: deregister failed: {e}");
+                        }
+                    }
+                }
+                slot.symmetric.clear();
+                slot.scratch = None;
+                if timed_out {
+                    Err(CommError::Refused {
+                        op: "shutdown",
+                        source: nccl_safe::Error::Timeout {
+                            what: "enqueued work to drain",
+                            after: timeout,
+                        },
+                    })
+                } else {
+                    Ok(())
+                }
+            }
+            Err(e) => {
+                // Memory whose work cannot be proven finished is leaked, not
+                // freed under a kernel that may still use it (a free would
+                // also wait for that kernel).
+                let symmetric = std::mem::take(&mut slot.symmetric);
+                let scratch = slot.scratch.take();
+                tracing::error!(
+                    rank = inner.rank,
+                    symmetric = symmetric.len(),
+                    scratch = scratch.is_some(),
+                    "shutdown: work did not drain after the abort ({e}); \
+                     leaking the backend's device memory"
+                );
+                for (_, buf) in symmetric {
+                    std::mem::forget(buf);
+                }
+                std::mem::forget(scratch);
+                Err(CommError::Refused {
+                    op: "shutdown",
+                    source: e,
+                })
+            }
+        };
+        slot.registered.clear();
+        slot.comm = None;
+        if slot.group.take().is_some() {
+            inner.group_closed.notify_all();
+        }
+        inner.abort.lock().take();
+        drop(slot);
+        inner.watched.lock().clear();
+        self.join_watchdog();
+        result
+    }
+
+    fn join_watchdog(&self) {
+        if let Some(handle) = self.watchdog.lock().take()
+            && handle.join().is_err()
+        {
+            tracing::warn!(rank = self.inner.rank, "watchdog thread panicked");
+        }
+    }
+}

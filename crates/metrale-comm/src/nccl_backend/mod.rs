@@ -1,0 +1,393 @@
+//! `NcclBackend`: the [`CommBackend`] over one NCCL communicator per rank.
+//!
+//! Layout, one concern a file: this file (the types, construction and
+//! accessors), `submit` (the path every operation takes: health check,
+//! flight recorder, the enqueue under the slot lock, the completion ticket
+//! and its confirmation, per-thread groups), `watchdog` (the thread that
+//! watches completions and deadlines), `fast_path` (the 2-rank send/recv +
+//! add path and its scratch buffer), `lifecycle` (connect, split, reconnect,
+//! shutdown and the teardown order), `ops` (the trait's operations).
+//!
+//! Invariants (NCCL's threading rules made into rules):
+//! - The communicator and everything used with it (streams, events, scratch,
+//!   kernel, registrations, the open group) live in one `Slot` behind one
+//!   lock, and every NCCL call is made while holding it: a reconnect on
+//!   another thread cannot destroy the communicator under a call.
+//! - The only operations on the communicator without that lock are abort
+//!   and the asynchronous-error query, through nccl-safe's `AbortHandle`,
+//!   which NCCL allows from another thread and which never touches a
+//!   destroyed communicator.
+//! - Lock order: `slot`, then `watched`, then `event_pool`; `abort`,
+//!   `in_call` and `idle_pending` are leaves (held for a copy or a swap,
+//!   never across another lock). The watchdog never takes `slot`.
+//! - Every submission is health-checked, recorded in the flight recorder,
+//!   and (unless captured into a CUDA graph or grouped) watched: a
+//!   completion event goes to the watchdog, which poisons and aborts on a
+//!   deadline miss or an asynchronous NCCL error.
+//! - A completion counts only if its communicator neither failed nor was
+//!   aborted (`submit::Ticket`).
+//! - A group belongs to the thread that opened it; other threads' calls
+//!   wait for it to end (bounded).
+//! - With `EnqueueMode::Blocking` (the default) each NCCL call is itself
+//!   watched: a call still inside NCCL at the collective timeout is
+//!   poisoned by the watchdog, whose abort makes NCCL return.
+//! - Once poisoned, every call is refused before NCCL is called, with the
+//!   first failure; `attempt_reconnect` is the way back.
+//! - Host waits poll with a deadline; only `recv_command_u32` idles without
+//!   one, and it returns as soon as the backend fails, reconnects or shuts
+//!   down.
+
+mod fast_path;
+mod lifecycle;
+mod ops;
+mod submit;
+mod watchdog;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::thread::JoinHandle;
+
+use half::bf16;
+use nccl_safe::{
+    AbortHandle, Comm, Context, DeviceBuffer, Event, Module, Stream, SymmetricBuffer, UniqueId,
+};
+use parking_lot::{Condvar, Mutex};
+
+use crate::backend::{AddKernel, Result};
+use crate::config::BackendConfig;
+use crate::diagnostics::FlightRecorder;
+use crate::error::{CommError, Failure};
+use crate::health::Health;
+use crate::kernels;
+use crate::rendezvous::{EnvConfig, FixedIdRendezvous, Rendezvous, TcpRendezvous};
+
+pub use fast_path::AllReducePath;
+use submit::{GroupState, Watched};
+
+/// The communicator and what is used with it; guarded by `Inner::slot`.
+struct Slot {
+    comm: Option<Comm>,
+    /// The backend's own stream (the seed's "legacy" stream).
+    stream: Stream,
+    /// The stream of `all_reduce_async`.
+    comm_stream: Stream,
+    compute_done: Event,
+    comm_done: Event,
+    scratch: Option<DeviceBuffer<bf16>>,
+    /// Recorded after the last fast-path kernel that reads `scratch`; a
+    /// fast path on another stream waits for it before its receive
+    /// overwrites `scratch` (NCCL orders its own kernels by issue, not the
+    /// add kernel behind them).
+    scratch_free: Event,
+    /// The stream `scratch_free` was last recorded on; `None` before the
+    /// first use.
+    scratch_stream: Option<cuda_sys::CUstream>,
+    /// One f32 for the barrier.
+    barrier_elem: DeviceBuffer<f32>,
+    /// The fast path's add kernel; `None` turns the fast path off.
+    kernel: Option<AddKernel>,
+    /// Registration handle -> (address, bytes).
+    registered: HashMap<u64, (u64, usize)>,
+    /// Symmetric allocations by address.
+    symmetric: HashMap<u64, SymmetricBuffer>,
+    /// The group a thread has open, if any.
+    group: Option<GroupState>,
+}
+
+// SAFETY: the raw stream in `scratch_stream` is only compared and passed to
+// the driver under the slot lock; every other field is Send.
+unsafe impl Send for Slot {}
+
+struct Inner {
+    rank: usize,
+    world_size: usize,
+    config: BackendConfig,
+    ctx: Arc<Context>,
+    /// How reconnects agree on a new id; `None` for a split communicator.
+    rendezvous: Option<Box<dyn Rendezvous>>,
+    slot: Mutex<Slot>,
+    /// Signalled when a thread's group ends, for threads waiting to submit.
+    group_closed: Condvar,
+    /// Kept outside `slot` so that the watchdog can abort and ask for the
+    /// asynchronous error while another thread holds `slot` inside an NCCL
+    /// call.
+    abort: Mutex<Option<AbortHandle>>,
+    health: Health,
+    recorder: FlightRecorder,
+    watched: Mutex<Vec<Watched>>,
+    event_pool: Mutex<Vec<Arc<Event>>>,
+    generation: AtomicU64,
+    /// The submission now inside an NCCL call on a blocking communicator,
+    /// for the watchdog: such a call has no deadline of its own.
+    in_call: Mutex<Option<submit::InCall>>,
+    /// The completion event of a `recv_command_u32` enqueued and not yet
+    /// seen complete: shutdown aborts such a receive at once, since only
+    /// the root's next command could complete it.
+    idle_pending: Mutex<Option<Arc<Event>>>,
+}
+
+/// The NCCL implementation of [`CommBackend`](crate::CommBackend). See the
+/// module docs for its invariants and `docs/operations.md` for its
+/// configuration.
+pub struct NcclBackend {
+    inner: Arc<Inner>,
+    watchdog: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for NcclBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclBackend")
+            .field("rank", &self.inner.rank)
+            .field("world_size", &self.inner.world_size)
+            .field("device", &self.inner.config.device)
+            .field("generation", &self.generation())
+            .field("healthy", &self.inner.health.is_healthy())
+            .finish()
+    }
+}
+
+/// Maps an nccl-safe error met while setting up `stage` to
+/// [`CommError::Setup`], keeping it as the source.
+fn setup(stage: &'static str) -> impl FnOnce(nccl_safe::Error) -> CommError {
+    move |e| CommError::setup(stage, e)
+}
+
+impl NcclBackend {
+    /// Builds a backend for the rank the rendezvous names, agreeing on the
+    /// communicator through it. Init is bounded by `config.init_timeout`.
+    pub fn new(config: BackendConfig, rendezvous: Box<dyn Rendezvous>) -> Result<NcclBackend> {
+        let rank = rendezvous.rank();
+        let world_size = rendezvous.world_size();
+        let inner = Inner::new(config, rank, world_size, Some(rendezvous), None)?;
+        {
+            let mut slot = inner.slot.lock();
+            inner
+                .ensure_scratch(&mut slot)
+                .map_err(setup("fast-path scratch buffer"))?;
+            inner.connect(&mut slot, 0)?;
+        }
+        NcclBackend::start(inner)
+    }
+
+    /// Builds a backend from torchrun's environment (`env://`): `RANK`,
+    /// `WORLD_SIZE`, `LOCAL_RANK` (the device, overriding `config.device`),
+    /// `MASTER_ADDR`, `MASTER_PORT`, and `METRALE_STORE_TOKEN` when set.
+    /// `METRALE_COMM_*` overrides apply on top of `config`.
+    pub fn from_env(config: BackendConfig) -> Result<NcclBackend> {
+        let env = EnvConfig::from_env()?;
+        let mut config = config.with_env_overrides()?;
+        config.device = env.local_rank;
+        let addr = resolve(&env.master_addr, env.master_port)?;
+        let token = std::env::var("METRALE_STORE_TOKEN")
+            .ok()
+            .filter(|t| !t.is_empty());
+        let rv = TcpRendezvous::new(env.rank, env.world_size, addr, token, config.init_timeout)?;
+        NcclBackend::new(config, Box::new(rv))
+    }
+
+    /// Builds a backend from a unique id the engine distributed itself
+    /// (rank 0 made it with `nccl_safe::UniqueId::new`). Such a backend
+    /// cannot reconnect: that needs a rendezvous to agree on a new id.
+    pub fn with_unique_id(
+        config: BackendConfig,
+        id: &UniqueId,
+        rank: usize,
+        world_size: usize,
+    ) -> Result<NcclBackend> {
+        let rv = FixedIdRendezvous::new(rank, world_size, *id.as_bytes())?;
+        NcclBackend::new(config, Box::new(rv))
+    }
+
+    /// Starts the watchdog of a connected backend.
+    fn start(inner: Arc<Inner>) -> Result<NcclBackend> {
+        let weak = Arc::downgrade(&inner);
+        let rank = inner.rank;
+        let watchdog = std::thread::Builder::new()
+            .name(format!("metrale-watchdog-r{rank}"))
+            .spawn(move || watchdog::watchdog_loop(weak))
+            .map_err(|e| CommError::Thread {
+                what: "watchdog",
+                source: Arc::new(e),
+            })?;
+        tracing::info!(
+            rank,
+            world_size = inner.world_size,
+            device = inner.config.device,
+            "NCCL backend ready"
+        );
+        Ok(NcclBackend {
+            inner,
+            watchdog: Mutex::new(Some(watchdog)),
+        })
+    }
+
+    /// The CUDA context of this backend's device.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.inner.ctx
+    }
+
+    /// The backend's own stream, where `all_reduce`, `all_gather`,
+    /// `reduce_scatter`, `broadcast`, `all_to_all` and `barrier` run. It
+    /// lives as long as the backend (reconnects keep it): work an engine
+    /// queues on it is ordered with those operations.
+    pub fn stream(&self) -> nccl_safe::StreamRef<'_> {
+        let raw = self.inner.slot.lock().stream.raw();
+        // SAFETY: the stream is the backend's and lives as long as `self`,
+        // which the returned borrow cannot outlive.
+        unsafe { nccl_safe::StreamRef::from_raw(raw) }
+    }
+
+    /// The flight recorder of recent submissions.
+    pub fn recorder(&self) -> &FlightRecorder {
+        &self.inner.recorder
+    }
+
+    /// The communicator generation: 0, then one more per reconnect.
+    pub fn generation(&self) -> u64 {
+        self.inner
+            .generation
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// The failure that poisoned the backend, if any.
+    pub fn failure(&self) -> Option<Arc<Failure>> {
+        self.inner.health.failure()
+    }
+
+    /// The configuration the backend runs with.
+    pub fn config(&self) -> &BackendConfig {
+        &self.inner.config
+    }
+
+    /// Which path an eager bf16 `all_reduce` takes now for `bytes` in
+    /// ordinary device memory (buffers in registered or symmetric memory,
+    /// other types, and work captured into a CUDA graph always take NCCL's
+    /// all-reduce).
+    pub fn all_reduce_path(&self, bytes: usize) -> AllReducePath {
+        let slot = self.inner.slot.lock();
+        self.inner
+            .choose_path(&slot, None, bytes, nccl_safe::DataType::Bfloat16, false)
+    }
+}
+
+impl Inner {
+    /// The shared state of a backend for `rank` of `world_size` on
+    /// `config.device`; `comm` adopts a communicator made elsewhere (a
+    /// split), else `connect` makes one.
+    fn new(
+        config: BackendConfig,
+        rank: usize,
+        world_size: usize,
+        rendezvous: Option<Box<dyn Rendezvous>>,
+        ctx: Option<Arc<Context>>,
+    ) -> Result<Arc<Inner>> {
+        config.validate()?;
+        if world_size == 0 || rank >= world_size {
+            return Err(CommError::Config(format!(
+                "rank {rank} is out of range for world size {world_size}"
+            )));
+        }
+        let ctx = match ctx {
+            Some(ctx) => ctx,
+            None => {
+                let count = nccl_safe::device_count().map_err(setup("CUDA driver"))?;
+                if config.device >= count {
+                    return Err(CommError::Config(format!(
+                        "device {} does not exist ({count} GPUs visible)",
+                        config.device
+                    )));
+                }
+                Context::new(config.device).map_err(setup("CUDA context"))?
+            }
+        };
+        let slot = Slot::new(&ctx)?;
+        Ok(Arc::new(Inner {
+            rank,
+            world_size,
+            recorder: FlightRecorder::new(config.flight_recorder_capacity),
+            config,
+            ctx,
+            rendezvous,
+            slot: Mutex::new(slot),
+            group_closed: Condvar::new(),
+            abort: Mutex::new(None),
+            health: Health::new(),
+            watched: Mutex::new(Vec::new()),
+            event_pool: Mutex::new(Vec::new()),
+            generation: AtomicU64::new(0),
+            in_call: Mutex::new(None),
+            idle_pending: Mutex::new(None),
+        }))
+    }
+}
+
+fn resolve(host: &str, port: u16) -> Result<std::net::SocketAddr> {
+    use std::net::ToSocketAddrs;
+    (host, port)
+        .to_socket_addrs()
+        .map_err(|e| CommError::Config(format!("MASTER_ADDR {host}:{port}: {e}")))?
+        .next()
+        .ok_or_else(|| CommError::Config(format!("MASTER_ADDR {host}:{port} resolves to nothing")))
+}
+
+impl Slot {
+    fn new(ctx: &Arc<Context>) -> Result<Slot> {
+        let kernel = match Module::load_ptx(ctx, kernels::BF16_ADD_PTX)
+            .and_then(|m| m.function(kernels::BF16_ADD_NAME))
+        {
+            Ok(f) => Some(AddKernel::new(f)),
+            Err(e) => {
+                tracing::warn!("bundled bf16 add kernel unavailable, fast path off: {e}");
+                None
+            }
+        };
+        Ok(Slot {
+            comm: None,
+            stream: Stream::new(ctx).map_err(setup("stream"))?,
+            comm_stream: Stream::new(ctx).map_err(setup("stream"))?,
+            compute_done: Event::new(ctx, false).map_err(setup("event"))?,
+            comm_done: Event::new(ctx, false).map_err(setup("event"))?,
+            scratch: None,
+            scratch_free: Event::new(ctx, false).map_err(setup("event"))?,
+            scratch_stream: None,
+            barrier_elem: DeviceBuffer::from_host(ctx, &[1.0f32])
+                .map_err(setup("barrier buffer"))?,
+            kernel,
+            registered: HashMap::new(),
+            symmetric: HashMap::new(),
+            group: None,
+        })
+    }
+
+    /// The communicator, or `Aborted` for `call` when there is none (after
+    /// shutdown, or a failed reconnect).
+    fn comm(&self, call: &'static str) -> nccl_safe::Result<&Comm> {
+        self.comm.as_ref().ok_or(nccl_safe::Error::Aborted { call })
+    }
+
+    /// Whether `[ptr, ptr + bytes)` overlaps a registered buffer or a
+    /// symmetric allocation. Such buffers take NCCL's all-reduce, which is
+    /// what registration is for (and the fast path's grouped send/recv from
+    /// registered `ncclMemAlloc` memory is not supported).
+    fn in_registered_memory(&self, ptr: u64, bytes: usize) -> bool {
+        let end = ptr.saturating_add(bytes as u64);
+        let overlaps =
+            |start: u64, len: usize| ptr < start.saturating_add(len as u64) && start < end;
+        self.registered
+            .values()
+            .any(|&(start, len)| overlaps(start, len))
+            || self
+                .symmetric
+                .iter()
+                .any(|(&start, buf)| overlaps(start, buf.bytes()))
+    }
+}
+
+impl Drop for NcclBackend {
+    fn drop(&mut self) {
+        if let Err(e) = crate::CommBackend::shutdown(self) {
+            tracing::warn!(rank = self.inner.rank, "shutdown on drop: {e}");
+        }
+    }
+}

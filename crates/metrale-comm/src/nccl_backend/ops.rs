@@ -1,0 +1,688 @@
+//! The trait's operations on an `NcclBackend`: argument checks, then one
+//! submission each (`submit`), with the waits the trait promises.
+//!
+//! Invariants: every check runs before anything is submitted; an empty
+//! operation submits nothing but still refuses on an unusable backend;
+//! collectives run on the backend's own stream, `all_reduce_async` on the
+//! comm stream (or the capturing caller stream), send and receive on the
+//! caller's stream.
+
+use std::ffi::c_void;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use cuda_sys::CUstream;
+use nccl_safe::{Comm, DataType, DeviceView, DeviceViewMut, ReduceOp, StreamRef, SymmetricBuffer};
+
+use super::NcclBackend;
+use super::submit::{GroupState, OpInfo, StreamSel, Ticket, nccl_group_call};
+use crate::backend::{AddKernel, CommBackend, Registration, Result, SymmetricAlloc};
+use crate::error::{CommError, FailureKind};
+use crate::validate::{
+    Span, check_alloc, check_command, check_counts, check_pair, check_rank, check_reducible,
+    check_register, check_view,
+};
+
+impl NcclBackend {
+    /// A collective on the backend's own stream that waits for nothing.
+    fn collective(
+        &self,
+        info: OpInfo,
+        enqueue: impl FnOnce(&Comm, CUstream) -> nccl_safe::Result<()>,
+    ) -> Result<()> {
+        self.inner
+            .submit(info, StreamSel::Own, false, |_, slot, s, _| {
+                enqueue(slot.comm(info.op)?, s)
+            })?;
+        Ok(())
+    }
+
+    /// A broadcast from `root` waited for on the host: with the collective
+    /// deadline, or idle (no deadline) for `recv_command_u32`.
+    fn broadcast_wait(
+        &self,
+        op: &'static str,
+        buf: DeviceViewMut<'_>,
+        root: usize,
+        idle: bool,
+    ) -> Result<()> {
+        let inner = &*self.inner;
+        let s = Span::from(&buf);
+        check_view(op, "buffer", s)?;
+        check_rank(op, "root", root, inner.world_size)?;
+        self.refuse_in_own_group(op)?;
+        if s.len == 0 {
+            return inner.check_usable(op);
+        }
+        let info = OpInfo {
+            op,
+            dtype: s.dtype,
+            bytes: s.bytes(),
+            peer: Some(root),
+        };
+        let (_, ticket) = inner.submit(info, StreamSel::Own, idle, |_, slot, stream, _| {
+            let comm = slot
+                .comm
+                .as_mut()
+                .ok_or(nccl_safe::Error::Aborted { call: op })?;
+            // An idle receive waits for the root with no deadline, also
+            // while NCCL connects to it; shutdown or a failure aborts the
+            // communicator, which ends the wait.
+            let saved = comm.enqueue_deadline();
+            if idle {
+                comm.set_enqueue_deadline(None);
+            }
+            // SAFETY: the view is valid for `len` elements of its type (its
+            // contract); our stream.
+            let r = unsafe { comm.broadcast_raw(s.ptr, s.ptr, s.len, s.dtype, root, stream) };
+            comm.set_enqueue_deadline(saved);
+            r
+        })?;
+        let Some(ticket) = ticket else { return Ok(()) };
+        if idle {
+            *inner.idle_pending.lock() = Some(ticket.event.clone());
+        }
+        let r = inner.wait(op, &ticket, idle);
+        if idle && r.is_ok() {
+            inner.idle_pending.lock().take();
+        }
+        r
+    }
+
+    fn refuse_in_own_group(&self, op: &'static str) -> Result<()> {
+        let slot = self.inner.slot.lock();
+        self.inner.refuse_in_group(&slot, op)
+    }
+
+    /// Send or receive on the caller's stream.
+    fn p2p(
+        &self,
+        op: &'static str,
+        s: Span,
+        peer: usize,
+        stream: StreamRef<'_>,
+        send: bool,
+    ) -> Result<()> {
+        let inner = &*self.inner;
+        check_view(op, "buffer", s)?;
+        check_rank(op, "peer", peer, inner.world_size)?;
+        if peer == inner.rank {
+            return Err(CommError::InvalidArgument {
+                op,
+                reason: format!(
+                    "rank {peer} cannot {} itself",
+                    if send { "send to" } else { "receive from" }
+                ),
+            });
+        }
+        if s.len == 0 {
+            return inner.check_usable(op);
+        }
+        let info = OpInfo {
+            op,
+            dtype: s.dtype,
+            bytes: s.bytes(),
+            peer: Some(peer),
+        };
+        inner.submit(
+            info,
+            StreamSel::Caller(stream.as_raw()),
+            false,
+            |_, slot, st, _| {
+                let comm = slot.comm(op)?;
+                // SAFETY: the view is valid for `len` elements (its contract)
+                // and the stream is live (the `StreamRef`'s).
+                unsafe {
+                    if send {
+                        comm.send_raw(s.ptr, s.len, s.dtype, peer, st)
+                    } else {
+                        comm.recv_raw(s.ptr, s.len, s.dtype, peer, st)
+                    }
+                }
+            },
+        )?;
+        Ok(())
+    }
+
+    /// Grouped send/recv of per-peer blocks on the backend's stream.
+    fn exchange_blocks(
+        &self,
+        op: &'static str,
+        (send, send_counts): (Span, &[usize]),
+        (recv, recv_counts): (Span, &[usize]),
+    ) -> Result<()> {
+        let inner = &*self.inner;
+        let (me, esz) = (inner.rank, send.dtype.size());
+        let info = OpInfo {
+            op,
+            dtype: send.dtype,
+            bytes: send.bytes(),
+            peer: None,
+        };
+        let send_counts = send_counts.to_vec();
+        let recv_counts = recv_counts.to_vec();
+        self.collective(info, |comm, stream| {
+            nccl_safe::group(|| {
+                let (mut so, mut ro) = (0usize, 0usize);
+                for peer in 0..send_counts.len() {
+                    let (sc, rc) = (send_counts[peer], recv_counts[peer]);
+                    let (sp, rp) = (send.ptr + (so * esz) as u64, recv.ptr + (ro * esz) as u64);
+                    if peer == me {
+                        if sc != rc {
+                            return Err(nccl_safe::Error::invalid(
+                                op,
+                                format!("this rank sends itself {sc} elements but receives {rc}"),
+                            ));
+                        }
+                        if sc > 0 {
+                            // SAFETY: both blocks lie inside the views (the
+                            // counts were checked against their lengths).
+                            unsafe {
+                                nccl_safe::copy_device_async(
+                                    comm.context(),
+                                    rp,
+                                    sp,
+                                    sc * esz,
+                                    stream,
+                                )?
+                            };
+                        }
+                    } else {
+                        // SAFETY: as above; the stream is ours.
+                        unsafe {
+                            if sc > 0 {
+                                comm.send_raw(sp, sc, send.dtype, peer, stream)?;
+                            }
+                            if rc > 0 {
+                                comm.recv_raw(rp, rc, recv.dtype, peer, stream)?;
+                            }
+                        }
+                    }
+                    so += sc;
+                    ro += rc;
+                }
+                Ok(())
+            })?;
+            comm.wait_ready()
+        })
+    }
+}
+
+impl CommBackend for NcclBackend {
+    fn all_reduce(&self, buf: DeviceViewMut<'_>) -> Result<()> {
+        const OP: &str = "all_reduce";
+        let s = Span::from(&buf);
+        check_view(OP, "buffer", s)?;
+        check_reducible(OP, s)?;
+        if s.len == 0 {
+            return self.inner.check_usable(OP);
+        }
+        let info = OpInfo {
+            op: OP,
+            dtype: s.dtype,
+            bytes: s.bytes(),
+            peer: None,
+        };
+        self.inner
+            .submit(info, StreamSel::Own, false, |inner, slot, st, _| {
+                inner.all_reduce_on(slot, (s.ptr, s.len, s.dtype), st, false)
+            })?;
+        Ok(())
+    }
+
+    fn all_reduce_async(
+        &self,
+        buf: DeviceViewMut<'_>,
+        compute_stream: StreamRef<'_>,
+    ) -> Result<()> {
+        const OP: &str = "all_reduce_async";
+        let s = Span::from(&buf);
+        check_view(OP, "buffer", s)?;
+        check_reducible(OP, s)?;
+        if s.len == 0 {
+            return self.inner.check_usable(OP);
+        }
+        let inner = &*self.inner;
+        let info = OpInfo {
+            op: OP,
+            dtype: s.dtype,
+            bytes: s.bytes(),
+            peer: None,
+        };
+        let compute = compute_stream.as_raw();
+        inner.check_usable(OP)?;
+        if inner.is_capturing(compute, OP)? {
+            // Under capture: everything on the capturing stream, nothing
+            // waits on the host, no event is queried.
+            inner.submit(
+                info,
+                StreamSel::Caller(compute),
+                false,
+                |inner, slot, st, captured| {
+                    inner.all_reduce_on(slot, (s.ptr, s.len, s.dtype), st, captured)
+                },
+            )?;
+            return Ok(());
+        }
+        inner.submit(info, StreamSel::Comm, false, |inner, slot, st, _| {
+            // SAFETY: `compute` is a live stream of this context (the
+            // `StreamRef`'s contract); the comm stream is ours.
+            unsafe {
+                slot.compute_done.record_raw(compute)?;
+                slot.compute_done.wait_raw(st)?;
+            }
+            inner.all_reduce_on(slot, (s.ptr, s.len, s.dtype), st, false)?;
+            if let Some(g) = slot.group.as_mut() {
+                // The group's work is launched at its end: join there.
+                g.joins.push(compute);
+                return Ok(());
+            }
+            // SAFETY: as above.
+            unsafe {
+                slot.comm_done.record_raw(st)?;
+                slot.comm_done.wait_raw(compute)
+            }
+        })?;
+        Ok(())
+    }
+
+    unsafe fn register_buffer(&self, buf: DeviceView<'_>) -> Result<Registration> {
+        const OP: &str = "register_buffer";
+        let s = Span::from(&buf);
+        check_register(OP, s)?;
+        self.inner.check_usable(OP)?;
+        let mut slot = self.inner.lock_slot(OP)?;
+        let comm = slot.comm.as_ref().ok_or(CommError::Shutdown { op: OP })?;
+        // SAFETY: the view is one device allocation that stays allocated
+        // until deregistered (this function's contract).
+        let handle = unsafe { comm.register_raw(s.ptr, s.bytes()) }
+            .map_err(|source| CommError::Refused { op: OP, source })?;
+        let handle = handle as u64;
+        slot.registered.insert(handle, (s.ptr, s.bytes()));
+        // SAFETY: a fresh handle, returned once.
+        Ok(unsafe { Registration::from_raw(handle) })
+    }
+
+    fn deregister_buffer(&self, registration: Registration) -> Result<()> {
+        const OP: &str = "deregister_buffer";
+        let handle = registration.as_raw();
+        self.inner.check_usable(OP)?;
+        let mut slot = self.inner.lock_slot(OP)?;
+        if slot.registered.remove(&handle).is_none() {
+            return Err(CommError::UnknownHandle { op: OP, handle });
+        }
+        let comm = slot.comm.as_ref().ok_or(CommError::Shutdown { op: OP })?;
+        // SAFETY: `handle` came from `register_raw` on this communicator and
+        // was just removed from the map, so it is deregistered once.
+        unsafe { comm.deregister_raw(handle as *mut c_void) }
+            .map_err(|source| CommError::Refused { op: OP, source })
+    }
+
+    fn symmetric_alloc(&self, bytes: usize) -> Result<SymmetricAlloc> {
+        const OP: &str = "symmetric_alloc";
+        check_alloc(OP, bytes)?;
+        self.inner.check_usable(OP)?;
+        let buf = SymmetricBuffer::alloc(&self.inner.ctx, bytes)
+            .map_err(|source| CommError::Refused { op: OP, source })?;
+        let ptr = buf.device_ptr();
+        self.inner.slot.lock().symmetric.insert(ptr, buf);
+        // SAFETY: a fresh allocation, handed out once.
+        Ok(unsafe { SymmetricAlloc::from_raw(ptr, bytes) })
+    }
+
+    fn symmetric_free(&self, alloc: SymmetricAlloc) -> Result<()> {
+        // Freeing memory does not touch the communicator: allowed when
+        // poisoned, so an engine can always release what it holds.
+        const OP: &str = "symmetric_free";
+        if self.inner.health.is_shutdown() {
+            return Err(CommError::Shutdown { op: OP });
+        }
+        let ptr = alloc.ptr();
+        let buf = self.inner.slot.lock().symmetric.remove(&ptr);
+        match buf {
+            Some(buf) => {
+                drop(buf);
+                Ok(())
+            }
+            None => Err(CommError::UnknownHandle {
+                op: OP,
+                handle: ptr,
+            }),
+        }
+    }
+
+    fn set_add_kernel(&self, kernel: AddKernel) -> Result<()> {
+        const OP: &str = "set_add_kernel";
+        if kernel.raw().is_null() {
+            return Err(CommError::InvalidArgument {
+                op: OP,
+                reason: "null CUfunction".into(),
+            });
+        }
+        self.inner.check_usable(OP)?;
+        let mut slot = self.inner.lock_slot(OP)?;
+        slot.kernel = Some(kernel);
+        self.inner
+            .ensure_scratch(&mut slot)
+            .map_err(|source| CommError::Refused { op: OP, source })?;
+        drop(slot);
+        tracing::info!(rank = self.inner.rank, "bf16 add kernel replaced");
+        Ok(())
+    }
+
+    fn all_gather(&self, send: DeviceView<'_>, recv: DeviceViewMut<'_>) -> Result<()> {
+        const OP: &str = "all_gather";
+        let (s, r) = (Span::from(&send), Span::from(&recv));
+        check_view(OP, "send buffer", s)?;
+        check_view(OP, "receive buffer", r)?;
+        check_pair(
+            OP,
+            ("the send buffer", s),
+            ("the receive buffer", r),
+            self.inner.world_size,
+        )?;
+        if s.len == 0 {
+            return self.inner.check_usable(OP);
+        }
+        let info = OpInfo {
+            op: OP,
+            dtype: s.dtype,
+            bytes: s.bytes(),
+            peer: None,
+        };
+        self.collective(info, |comm, st| {
+            // SAFETY: the views hold `len` and `len * world_size` elements
+            // (checked); our stream.
+            unsafe { comm.all_gather_raw(s.ptr, r.ptr, s.len, s.dtype, st) }
+        })
+    }
+
+    fn reduce_scatter(&self, send: DeviceView<'_>, recv: DeviceViewMut<'_>) -> Result<()> {
+        const OP: &str = "reduce_scatter";
+        let (s, r) = (Span::from(&send), Span::from(&recv));
+        check_view(OP, "send buffer", s)?;
+        check_view(OP, "receive buffer", r)?;
+        check_reducible(OP, s)?;
+        check_pair(
+            OP,
+            ("the receive buffer", r),
+            ("the send buffer", s),
+            self.inner.world_size,
+        )?;
+        if r.len == 0 {
+            return self.inner.check_usable(OP);
+        }
+        let info = OpInfo {
+            op: OP,
+            dtype: r.dtype,
+            bytes: r.bytes(),
+            peer: None,
+        };
+        self.collective(info, |comm, st| {
+            // SAFETY: sizes checked against the views; our stream.
+            unsafe { comm.reduce_scatter_raw(s.ptr, r.ptr, r.len, r.dtype, ReduceOp::Sum, st) }
+        })
+    }
+
+    fn broadcast(&self, buf: DeviceViewMut<'_>, root: usize) -> Result<()> {
+        self.broadcast_wait("broadcast", buf, root, false)
+    }
+
+    fn recv_command_u32(&self, buf: DeviceViewMut<'_>, root: usize) -> Result<()> {
+        const OP: &str = "recv_command_u32";
+        check_command(OP, Span::from(&buf))?;
+        check_rank(OP, "root", root, self.inner.world_size)?;
+        if root == self.inner.rank {
+            return Err(CommError::InvalidArgument {
+                op: OP,
+                reason: format!("rank {root} is the root: only other ranks receive commands"),
+            });
+        }
+        self.broadcast_wait(OP, buf, root, true)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        const OP: &str = "barrier";
+        let inner = &*self.inner;
+        self.refuse_in_own_group(OP)?;
+        let info = OpInfo {
+            op: OP,
+            dtype: DataType::Float32,
+            bytes: 4,
+            peer: None,
+        };
+        let (_, ticket) = inner.submit(info, StreamSel::Own, false, |_, slot, st, _| {
+            let comm = slot.comm(OP)?;
+            let p = slot.barrier_elem.device_ptr();
+            // SAFETY: one f32 of our own buffer; our stream.
+            unsafe { comm.all_reduce_raw(p, p, 1, DataType::Float32, ReduceOp::Max, st) }
+        })?;
+        match ticket {
+            Some(ticket) => inner.wait(OP, &ticket, false),
+            None => Ok(()),
+        }
+    }
+
+    fn send_to(&self, buf: DeviceView<'_>, dest_rank: usize, stream: StreamRef<'_>) -> Result<()> {
+        self.p2p("send_to", Span::from(&buf), dest_rank, stream, true)
+    }
+
+    fn recv_from(
+        &self,
+        buf: DeviceViewMut<'_>,
+        src_rank: usize,
+        stream: StreamRef<'_>,
+    ) -> Result<()> {
+        self.p2p("recv_from", Span::from(&buf), src_rank, stream, false)
+    }
+
+    fn all_to_all(&self, send: DeviceView<'_>, recv: DeviceViewMut<'_>) -> Result<()> {
+        const OP: &str = "all_to_all";
+        let w = self.inner.world_size;
+        let (s, r) = (Span::from(&send), Span::from(&recv));
+        check_view(OP, "send buffer", s)?;
+        check_view(OP, "receive buffer", r)?;
+        check_pair(OP, ("the send buffer", s), ("the receive buffer", r), 1)?;
+        if !s.len.is_multiple_of(w) {
+            return Err(CommError::InvalidArgument {
+                op: OP,
+                reason: format!("{} elements do not split into {w} equal blocks", s.len),
+            });
+        }
+        if s.len == 0 {
+            return self.inner.check_usable(OP);
+        }
+        let counts = vec![s.len / w; w];
+        self.exchange_blocks(OP, (s, &counts), (r, &counts))
+    }
+
+    fn all_to_all_v(
+        &self,
+        send: DeviceView<'_>,
+        send_counts: &[usize],
+        recv: DeviceViewMut<'_>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        const OP: &str = "all_to_all_v";
+        let w = self.inner.world_size;
+        let (s, r) = (Span::from(&send), Span::from(&recv));
+        check_view(OP, "send buffer", s)?;
+        check_view(OP, "receive buffer", r)?;
+        if s.dtype != r.dtype {
+            return Err(CommError::InvalidArgument {
+                op: OP,
+                reason: format!(
+                    "the send buffer holds {} but the receive buffer holds {}",
+                    s.dtype, r.dtype
+                ),
+            });
+        }
+        check_counts(OP, "send_counts", send_counts, w, s.len)?;
+        check_counts(OP, "recv_counts", recv_counts, w, r.len)?;
+        let me = self.inner.rank;
+        if send_counts[me] != recv_counts[me] {
+            return Err(CommError::InvalidArgument {
+                op: OP,
+                reason: format!(
+                    "this rank sends itself {} elements but receives {}",
+                    send_counts[me], recv_counts[me]
+                ),
+            });
+        }
+        if send_counts.iter().chain(recv_counts).all(|&c| c == 0) {
+            return self.inner.check_usable(OP);
+        }
+        self.exchange_blocks(OP, (s, send_counts), (r, recv_counts))
+    }
+
+    fn split(&self, color: Option<u32>, key: usize) -> Result<Option<Box<dyn CommBackend>>> {
+        Ok(self
+            .split_backend(color, key)?
+            .map(|b| Box::new(b) as Box<dyn CommBackend>))
+    }
+
+    fn group_start(&self) -> Result<()> {
+        const OP: &str = "group_start";
+        self.inner.check_usable(OP)?;
+        let mut slot = self.inner.lock_slot(OP)?;
+        nccl_group_call(OP, true)?;
+        match slot.group.as_mut() {
+            Some(g) => g.depth += 1,
+            None => {
+                slot.group = Some(GroupState {
+                    owner: std::thread::current().id(),
+                    depth: 1,
+                    joins: Vec::new(),
+                    watch: Vec::new(),
+                })
+            }
+        }
+        Ok(())
+    }
+
+    fn group_end(&self) -> Result<()> {
+        const OP: &str = "group_end";
+        let inner = &*self.inner;
+        let mut slot = inner.slot.lock();
+        let me = std::thread::current().id();
+        let Some(group) = slot.group.as_mut().filter(|g| g.owner == me) else {
+            return Err(CommError::InvalidArgument {
+                op: OP,
+                reason: "group_end without group_start on this thread".into(),
+            });
+        };
+        group.depth -= 1;
+        let outermost = group.depth == 0;
+        let first = group
+            .watch
+            .first()
+            .map(|w| w.seq)
+            .unwrap_or_else(|| inner.recorder.last_seq());
+        // The outermost group end launches the group's work (and on a
+        // blocking communicator may wait there for a peer's connection).
+        let ended = inner.in_nccl(OP, first, || nccl_group_call(OP, false));
+        if !outermost {
+            return ended;
+        }
+        let group = slot.group.take().expect("checked above");
+        inner.group_closed.notify_all();
+        if let Err(e) = ended {
+            drop(slot);
+            if let CommError::Refused { source, .. } = e {
+                return Err(CommError::Failed(inner.poison(
+                    OP,
+                    first,
+                    FailureKind::CallFailed(source),
+                )));
+            }
+            return Err(e);
+        }
+        // The group's work may still be being enqueued (non-blocking
+        // communicator): events recorded now would complete before it.
+        let ready = match slot.comm.as_ref() {
+            Some(comm) => comm.wait_ready(),
+            None => Err(nccl_safe::Error::Aborted { call: OP }),
+        };
+        if let Err(e) = ready {
+            drop(slot);
+            return Err(inner.fail(OP, first, e));
+        }
+        let comm_stream = slot.comm_stream.raw();
+        for compute in group.joins {
+            // SAFETY: the compute streams came from `StreamRef`s of
+            // all_reduce_async calls: live streams of this context.
+            let joined = unsafe {
+                slot.comm_done
+                    .record_raw(comm_stream)
+                    .and_then(|()| slot.comm_done.wait_raw(compute))
+            };
+            if let Err(e) = joined {
+                drop(slot);
+                return Err(inner.fail(OP, first, e));
+            }
+        }
+        drop(slot);
+        let deadline = Instant::now() + inner.config.collective_timeout;
+        for w in group.watch {
+            inner.watch(w.seq, w.op, w.stream, Some(deadline))?;
+        }
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        const OP: &str = "synchronize";
+        let inner = &*self.inner;
+        inner.check_usable(OP)?;
+        let seq = inner.recorder.last_seq();
+        let tickets = {
+            let slot = inner.lock_slot(OP)?;
+            inner.refuse_in_group(&slot, OP)?;
+            inner.check_usable(OP)?;
+            let comm = slot
+                .comm
+                .as_ref()
+                .map(Comm::abort_handle)
+                .ok_or(CommError::Shutdown { op: OP })?;
+            let generation = inner.generation.load(Ordering::Acquire);
+            let mut tickets = Vec::with_capacity(2);
+            for s in [&slot.stream, &slot.comm_stream] {
+                let event = inner.take_event()?;
+                event
+                    .record(s)
+                    .map_err(|source| CommError::Refused { op: OP, source })?;
+                tickets.push(Ticket {
+                    seq,
+                    event,
+                    generation,
+                    comm: comm.clone(),
+                });
+            }
+            tickets
+        };
+        for ticket in &tickets {
+            inner.wait(OP, ticket, false)?;
+        }
+        inner.recycle(tickets.into_iter().map(|t| t.event));
+        Ok(())
+    }
+
+    fn is_healthy(&self) -> bool {
+        self.inner.health.is_healthy()
+    }
+
+    fn attempt_reconnect(&self) -> Result<()> {
+        self.reconnect()
+    }
+
+    fn shutdown(&self) -> Result<()> {
+        self.shut_down()
+    }
+
+    fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.inner.world_size
+    }
+}

@@ -1,0 +1,518 @@
+//! The path every operation takes: health check, flight-recorder entry, the
+//! enqueue under the slot lock, the completion ticket and its
+//! confirmation; poisoning; the calling thread's group.
+//!
+//! Invariants:
+//! - A refused call (bad arguments, seen by NCCL or the driver before
+//!   anything is enqueued) never poisons; any other failure of an enqueue
+//!   poisons with that submission's op and sequence number.
+//! - A waiter returns `Ok` only after `confirm`: the event completed, the
+//!   communicator it ran on reports no asynchronous error, was not aborted,
+//!   and is still the current generation.
+//! - Only the thread that opened a group submits while it is open; other
+//!   threads wait on `group_closed` (bounded by the collective timeout).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::thread::ThreadId;
+use std::time::{Duration, Instant};
+
+use cuda_sys::CUstream;
+use nccl_safe::{AbortHandle, Comm, DataType, Event, NcclCode, Stream};
+use parking_lot::MutexGuard;
+
+use super::{Inner, Slot};
+use crate::backend::Result;
+use crate::config::EnqueueMode;
+use crate::diagnostics::{DumpHeader, OpState};
+use crate::error::{CommError, Failure, FailureKind};
+
+/// What a thread waiting for a submission checks when its event completes:
+/// the completion counts only if the communicator the work ran on neither
+/// failed nor was aborted (by the watchdog, a reconnect or a shutdown).
+pub(super) struct Ticket {
+    pub(super) seq: u64,
+    pub(super) event: Arc<Event>,
+    pub(super) generation: u64,
+    pub(super) comm: AbortHandle,
+}
+
+/// A submission the watchdog waits for.
+pub(super) struct Watched {
+    pub(super) seq: u64,
+    pub(super) op: &'static str,
+    pub(super) generation: u64,
+    pub(super) event: Arc<Event>,
+    /// `None`: an idle wait (a command receive), no deadline.
+    pub(super) deadline: Option<Instant>,
+}
+
+/// A call inside NCCL on a blocking communicator, for the watchdog.
+#[derive(Clone, Copy)]
+pub(super) struct InCall {
+    pub(super) op: &'static str,
+    pub(super) seq: u64,
+    pub(super) since: Instant,
+}
+
+/// A group open on one thread.
+pub(super) struct GroupState {
+    pub(super) owner: ThreadId,
+    pub(super) depth: usize,
+    /// Compute streams to re-join at the end (async all-reduces issued in
+    /// the group).
+    pub(super) joins: Vec<CUstream>,
+    /// Submissions inside the group, watched from its end.
+    pub(super) watch: Vec<GroupedOp>,
+}
+
+/// A submission made inside a group.
+pub(super) struct GroupedOp {
+    pub(super) seq: u64,
+    pub(super) op: &'static str,
+    pub(super) stream: CUstream,
+}
+
+/// Which stream a submission runs on.
+#[derive(Clone, Copy)]
+pub(super) enum StreamSel {
+    Own,
+    Comm,
+    Caller(CUstream),
+}
+
+/// What a submission is, for the flight recorder.
+#[derive(Clone, Copy)]
+pub(super) struct OpInfo {
+    pub(super) op: &'static str,
+    pub(super) dtype: DataType,
+    pub(super) bytes: usize,
+    pub(super) peer: Option<usize>,
+}
+
+/// Errors NCCL or the driver return for the call's own arguments, before
+/// anything is enqueued: they do not poison.
+fn is_refusal(e: &nccl_safe::Error) -> bool {
+    match e {
+        nccl_safe::Error::InvalidArgument { .. } | nccl_safe::Error::Load(_) => true,
+        nccl_safe::Error::Nccl(n) => {
+            matches!(n.code, NcclCode::InvalidArgument | NcclCode::InvalidUsage)
+        }
+        nccl_safe::Error::Cuda(c) => {
+            c.code == cuda_sys::CUresult::CUDA_ERROR_INVALID_VALUE.0 as i32
+        }
+        _ => false,
+    }
+}
+
+/// Waits a little longer each time: spins briefly (small collectives finish
+/// in microseconds), then sleeps up to 1 ms.
+pub(super) struct Backoff(u32);
+
+impl Backoff {
+    pub(super) fn new() -> Backoff {
+        Backoff(0)
+    }
+
+    pub(super) fn pause(&mut self) {
+        self.0 += 1;
+        if self.0 < 64 {
+            std::thread::yield_now();
+        } else {
+            let us = (self.0 as u64 - 63).min(1000);
+            std::thread::sleep(Duration::from_micros(us));
+        }
+    }
+}
+
+impl Inner {
+    /// Refuses work when shut down, reconnecting or poisoned.
+    #[inline]
+    pub(super) fn check_usable(&self, op: &'static str) -> Result<()> {
+        self.health.check(op, self.rank, self.world_size)
+    }
+
+    /// True when the calling thread has a group open on this backend.
+    pub(super) fn in_group(&self, slot: &Slot) -> bool {
+        slot.group
+            .as_ref()
+            .is_some_and(|g| g.owner == std::thread::current().id())
+    }
+
+    /// The slot, once no other thread has a group open (bounded by the
+    /// collective timeout).
+    pub(super) fn lock_slot(&self, op: &'static str) -> Result<MutexGuard<'_, Slot>> {
+        let me = std::thread::current().id();
+        let mut slot = self.slot.lock();
+        let deadline = Instant::now() + self.config.collective_timeout;
+        while slot.group.as_ref().is_some_and(|g| g.owner != me) {
+            if self
+                .group_closed
+                .wait_until(&mut slot, deadline)
+                .timed_out()
+            {
+                return Err(CommError::GroupBusy {
+                    op,
+                    waited: self.config.collective_timeout,
+                });
+            }
+        }
+        Ok(slot)
+    }
+
+    pub(super) fn refuse_in_group(&self, slot: &Slot, op: &'static str) -> Result<()> {
+        if self.in_group(slot) {
+            return Err(CommError::InGroup { op });
+        }
+        Ok(())
+    }
+
+    /// Poisons the backend with its first failure (later calls return the
+    /// first), aborts the communicator, dumps the flight recorder.
+    pub(super) fn poison(&self, op: &'static str, seq: u64, kind: FailureKind) -> Arc<Failure> {
+        let state = match kind {
+            FailureKind::Timeout { .. } => OpState::TimedOut,
+            _ => OpState::Failed,
+        };
+        let (failure, first) = self.health.poison(|| Failure {
+            op,
+            seq,
+            rank: self.rank,
+            world_size: self.world_size,
+            generation: self.generation.load(Ordering::Acquire),
+            kind,
+        });
+        if !first {
+            return failure;
+        }
+        self.recorder.set_state(seq, state);
+        if let Some(handle) = self.abort.lock().as_ref()
+            && let Err(e) = handle.abort()
+        {
+            tracing::warn!(
+                rank = self.rank,
+                "aborting the poisoned communicator failed: {e}"
+            );
+        }
+        tracing::error!(
+            rank = self.rank,
+            world_size = self.world_size,
+            "communicator poisoned: {failure}\nrecent operations:\n{}",
+            self.recorder.summary(16)
+        );
+        if let Some(dir) = &self.config.dump_dir {
+            let header = DumpHeader {
+                rank: self.rank,
+                world_size: self.world_size,
+                generation: failure.generation,
+                reason: failure.to_string(),
+                first_failed_seq: Some(seq),
+            };
+            match self.recorder.dump_json(dir, &header) {
+                Ok(path) => tracing::error!(
+                    rank = self.rank,
+                    "flight recorder dumped to {}",
+                    path.display()
+                ),
+                Err(e) => tracing::warn!(rank = self.rank, "flight recorder dump failed: {e}"),
+            }
+        }
+        failure
+    }
+
+    /// Poisons for a failed call of `op`/`seq` and returns its error.
+    pub(super) fn fail(&self, op: &'static str, seq: u64, e: nccl_safe::Error) -> CommError {
+        CommError::Failed(self.poison(op, seq, FailureKind::from_call(e)))
+    }
+
+    pub(super) fn take_event(&self) -> Result<Arc<Event>> {
+        if let Some(ev) = self.event_pool.lock().pop() {
+            return Ok(ev);
+        }
+        Event::new(&self.ctx, false)
+            .map(Arc::new)
+            .map_err(|source| CommError::Refused {
+                op: "event",
+                source,
+            })
+    }
+
+    /// Returns finished events to the pool.
+    pub(super) fn recycle(&self, events: impl IntoIterator<Item = Arc<Event>>) {
+        let mut pool = self.event_pool.lock();
+        for ev in events {
+            if Arc::strong_count(&ev) == 1 && pool.len() < 64 {
+                pool.push(ev);
+            }
+        }
+    }
+
+    /// Records a completion event for `seq` on `stream` and hands it to the
+    /// watchdog. `deadline: None` is an idle wait (no timeout).
+    pub(super) fn watch(
+        &self,
+        seq: u64,
+        op: &'static str,
+        stream: CUstream,
+        deadline: Option<Instant>,
+    ) -> Result<Arc<Event>> {
+        let event = self.take_event()?;
+        // SAFETY: `stream` is the backend's own stream or one the caller
+        // vouched for (a `StreamRef`), of this context.
+        if let Err(e) = unsafe { event.record_raw(stream) } {
+            return Err(self.fail(op, seq, e));
+        }
+        self.watched.lock().push(Watched {
+            seq,
+            op,
+            generation: self.generation.load(Ordering::Acquire),
+            event: event.clone(),
+            deadline,
+        });
+        Ok(event)
+    }
+
+    /// Submits one operation: health check, flight-recorder entry, the
+    /// enqueue under the slot lock, then the watch. Returns the sequence
+    /// number and, unless the work was captured or grouped, its ticket.
+    /// `idle`: no deadline (a command receive).
+    pub(super) fn submit(
+        &self,
+        info: OpInfo,
+        stream: StreamSel,
+        idle: bool,
+        enqueue: impl FnOnce(&Inner, &mut Slot, CUstream, bool) -> nccl_safe::Result<()>,
+    ) -> Result<(u64, Option<Ticket>)> {
+        let op = info.op;
+        self.check_usable(op)?;
+        let mut slot = self.lock_slot(op)?;
+        // Re-check under the lock: a reconnect or shutdown may have finished
+        // while this thread waited for it.
+        self.check_usable(op)?;
+        if slot.comm.is_none() {
+            return Err(CommError::Shutdown { op });
+        }
+        let raw_stream = match stream {
+            StreamSel::Own => slot.stream.raw(),
+            StreamSel::Comm => slot.comm_stream.raw(),
+            StreamSel::Caller(s) => s,
+        };
+        let capturing = match stream {
+            StreamSel::Caller(s) => self.is_capturing(s, op)?,
+            _ => false,
+        };
+        let seq = self.recorder.record(
+            op,
+            info.dtype.name(),
+            info.bytes,
+            raw_stream as u64,
+            info.peer,
+        );
+        let enqueued = self.in_nccl(op, seq, || enqueue(self, &mut slot, raw_stream, capturing));
+        if let Err(e) = enqueued {
+            if is_refusal(&e) {
+                self.recorder.set_state(seq, OpState::Failed);
+                return Err(CommError::Refused { op, source: e });
+            }
+            if self.health.is_shutdown() {
+                // Shutdown aborted the communicator under this call.
+                self.recorder.set_state(seq, OpState::Failed);
+                return Err(CommError::Shutdown { op });
+            }
+            drop(slot);
+            return Err(self.fail(op, seq, e));
+        }
+        if capturing {
+            // Captured work runs at graph launch; it is not watched.
+            self.recorder.set_state(seq, OpState::Completed);
+            return Ok((seq, None));
+        }
+        if self.in_group(&slot) {
+            if let Some(g) = slot.group.as_mut() {
+                g.watch.push(GroupedOp {
+                    seq,
+                    op,
+                    stream: raw_stream,
+                });
+            }
+            return Ok((seq, None));
+        }
+        let Some(comm) = slot.comm.as_ref().map(Comm::abort_handle) else {
+            return Err(CommError::Shutdown { op });
+        };
+        let generation = self.generation.load(Ordering::Acquire);
+        drop(slot);
+        let deadline = (!idle).then(|| Instant::now() + self.config.collective_timeout);
+        let event = self.watch(seq, op, raw_stream, deadline)?;
+        Ok((
+            seq,
+            Some(Ticket {
+                seq,
+                event,
+                generation,
+                comm,
+            }),
+        ))
+    }
+
+    /// Runs `f`, which calls NCCL for submission `seq`; on a blocking
+    /// communicator the watchdog sees the call while it runs.
+    pub(super) fn in_nccl<T>(&self, op: &'static str, seq: u64, f: impl FnOnce() -> T) -> T {
+        if self.config.enqueue != EnqueueMode::Blocking {
+            return f();
+        }
+        *self.in_call.lock() = Some(InCall {
+            op,
+            seq,
+            since: Instant::now(),
+        });
+        let out = f();
+        *self.in_call.lock() = None;
+        out
+    }
+
+    pub(super) fn is_capturing(&self, stream: CUstream, op: &'static str) -> Result<bool> {
+        // SAFETY: `stream` came from a `StreamRef`, a live stream of this
+        // context; the borrowed wrapper does not destroy it.
+        let s = unsafe { Stream::borrowed(&self.ctx, stream) };
+        s.is_capturing()
+            .map_err(|source| CommError::Refused { op, source })
+    }
+
+    /// Waits for the ticket's event (the completion of its submission),
+    /// bounded by the collective timeout unless `idle`, then confirms that
+    /// the communicator it ran on did not fail or get aborted meanwhile.
+    /// Returns early with an error when the backend is poisoned, shut down
+    /// or reconnected.
+    pub(super) fn wait(&self, op: &'static str, ticket: &Ticket, idle: bool) -> Result<()> {
+        let seq = ticket.seq;
+        let deadline = Instant::now() + self.config.collective_timeout;
+        let mut backoff = Backoff::new();
+        loop {
+            if self.health.is_poisoned() {
+                return Err(self.own_or_poisoned(op, seq));
+            }
+            match ticket.event.query() {
+                Ok(true) => return self.confirm(op, ticket),
+                Ok(false) => {}
+                Err(e) => return Err(self.fail(op, seq, e)),
+            }
+            if self.health.is_shutdown() {
+                return Err(CommError::Shutdown { op });
+            }
+            if self.generation.load(Ordering::Acquire) != ticket.generation {
+                return Err(self.aborted(op, ticket));
+            }
+            if !idle && Instant::now() >= deadline {
+                let (op, seq) = self.oldest_pending().unwrap_or((op, seq));
+                let f = self.poison(
+                    op,
+                    seq,
+                    FailureKind::Timeout {
+                        after: self.config.collective_timeout,
+                    },
+                );
+                return Err(CommError::Failed(f));
+            }
+            backoff.pause();
+        }
+    }
+
+    /// The check behind every completion a caller is told of: the event of
+    /// `ticket` completed, and its communicator reports no asynchronous
+    /// error and was not aborted. An asynchronous error poisons, attributed
+    /// to the oldest submission still unconfirmed.
+    pub(super) fn confirm(&self, op: &'static str, ticket: &Ticket) -> Result<()> {
+        let seq = ticket.seq;
+        if self.health.is_poisoned() {
+            return Err(self.own_or_poisoned(op, seq));
+        }
+        match ticket.comm.async_error() {
+            Ok(()) => {}
+            Err(nccl_safe::Error::Aborted { .. }) => return Err(self.aborted(op, ticket)),
+            Err(e) => {
+                let (first_op, first_seq) = self
+                    .oldest_pending()
+                    .filter(|&(_, s)| s < seq)
+                    .unwrap_or((op, seq));
+                self.poison(first_op, first_seq, FailureKind::AsyncError(e));
+                return Err(self.own_or_poisoned(op, seq));
+            }
+        }
+        if self.generation.load(Ordering::Acquire) != ticket.generation {
+            return Err(self.aborted(op, ticket));
+        }
+        Ok(())
+    }
+
+    /// The error for a submission whose communicator was aborted before the
+    /// submission was seen complete: its buffers hold no result.
+    pub(super) fn aborted(&self, op: &'static str, ticket: &Ticket) -> CommError {
+        if self.health.is_poisoned() {
+            return self.own_or_poisoned(op, ticket.seq);
+        }
+        if self.health.is_shutdown() {
+            return CommError::Shutdown { op };
+        }
+        if self.health.is_reconnecting() {
+            return CommError::Reconnecting { op };
+        }
+        CommError::Aborted {
+            op,
+            seq: ticket.seq,
+            generation: ticket.generation,
+        }
+    }
+
+    /// `Failed` when `seq` itself is the first failure, else `Poisoned`.
+    pub(super) fn own_or_poisoned(&self, op: &'static str, seq: u64) -> CommError {
+        match self.health.failure() {
+            Some(f) if f.seq == seq => CommError::Failed(f),
+            Some(cause) => CommError::Poisoned {
+                op,
+                rank: self.rank,
+                world_size: self.world_size,
+                cause,
+            },
+            None => CommError::Reconnecting { op },
+        }
+    }
+
+    /// The oldest watched submission of this generation that has a deadline.
+    pub(super) fn oldest_pending(&self) -> Option<(&'static str, u64)> {
+        let generation = self.generation.load(Ordering::Acquire);
+        self.watched
+            .lock()
+            .iter()
+            .filter(|w| w.generation == generation && w.deadline.is_some())
+            .min_by_key(|w| w.seq)
+            .map(|w| (w.op, w.seq))
+    }
+}
+
+/// `ncclGroupStart` (`start`) or `ncclGroupEnd`; `ncclInProgress` counts as
+/// success (on non-blocking communicators each communicator's next call
+/// waits for the group's enqueue).
+pub(super) fn nccl_group_call(op: &'static str, start: bool) -> Result<()> {
+    let refused = |source| CommError::Refused { op, source };
+    let nccl = nccl_sys::nccl().map_err(|e| refused(e.into()))?;
+    // SAFETY: group calls take no arguments; NCCL keeps the group state per
+    // thread.
+    let rc = unsafe {
+        if start {
+            nccl_sys::call!(nccl, ncclGroupStart())
+        } else {
+            nccl_sys::call!(nccl, ncclGroupEnd())
+        }
+    }
+    .map_err(|e| refused(e.into()))?;
+    let call = if start {
+        "ncclGroupStart"
+    } else {
+        "ncclGroupEnd"
+    };
+    if rc == nccl_sys::ncclResult_t::ncclInProgress {
+        return Ok(());
+    }
+    nccl_safe::nccl_check(rc, call, std::ptr::null_mut()).map_err(refused)
+}

@@ -1,0 +1,120 @@
+//! The watchdog thread: every `watchdog_interval` it polls the watched
+//! submissions' completion events, the call a blocking communicator is
+//! inside, and the communicator's asynchronous error.
+//!
+//! Invariants:
+//! - It never takes the slot lock: the asynchronous error is asked for
+//!   through the abort handle, so a thread inside NCCL never delays it.
+//! - The asynchronous error is asked for before any finished submission is
+//!   marked complete, so a submission whose event fired on a failed
+//!   communicator is named as the failure (op and seq), never recorded as
+//!   done.
+//! - It holds only a weak reference between ticks, and exits at shutdown.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::Instant;
+
+use nccl_safe::Event;
+
+use super::Inner;
+use crate::diagnostics::OpState;
+use crate::error::FailureKind;
+
+pub(super) fn watchdog_loop(inner: Weak<Inner>) {
+    loop {
+        let Some(inner) = inner.upgrade() else { return };
+        if inner.health.is_shutdown() {
+            return;
+        }
+        let interval = inner.config.watchdog_interval;
+        inner.watchdog_tick();
+        drop(inner);
+        std::thread::sleep(interval);
+    }
+}
+
+impl Inner {
+    /// One pass of the watchdog: poisons on a missed deadline, a call stuck
+    /// inside NCCL or an asynchronous error, and otherwise marks finished
+    /// submissions complete.
+    pub(super) fn watchdog_tick(&self) {
+        let now = Instant::now();
+        let generation = self.generation.load(Ordering::Acquire);
+        let mut expired: Option<(&'static str, u64)> = None;
+        let mut failed: Option<(&'static str, u64, nccl_safe::Error)> = None;
+        let mut done: Vec<(&'static str, u64, Arc<Event>)> = Vec::new();
+        {
+            let mut watched = self.watched.lock();
+            watched.retain(|w| {
+                if w.generation != generation {
+                    return false;
+                }
+                match w.event.query() {
+                    Ok(true) => {
+                        done.push((w.op, w.seq, w.event.clone()));
+                        false
+                    }
+                    Ok(false) => {
+                        if w.deadline.is_some_and(|d| now >= d)
+                            && expired.is_none_or(|(_, s)| w.seq < s)
+                        {
+                            expired = Some((w.op, w.seq));
+                        }
+                        true
+                    }
+                    Err(e) => {
+                        if failed.is_none() {
+                            failed = Some((w.op, w.seq, e));
+                        }
+                        true
+                    }
+                }
+            });
+        }
+        if self.health.is_poisoned() {
+            return;
+        }
+        // A call stuck inside NCCL on a blocking communicator counts as
+        // timed out too: poisoning aborts the communicator, which makes NCCL
+        // return from it.
+        let stuck = self
+            .in_call
+            .lock()
+            .filter(|c| now.saturating_duration_since(c.since) >= self.config.collective_timeout)
+            .map(|c| (c.op, c.seq));
+        if let Some((op, seq)) = stuck.or(expired) {
+            self.poison(
+                op,
+                seq,
+                FailureKind::Timeout {
+                    after: self.config.collective_timeout,
+                },
+            );
+            return;
+        }
+        if let Some((op, seq, e)) = failed {
+            self.poison(op, seq, FailureKind::from_call(e));
+            return;
+        }
+        let handle = self.abort.lock().clone();
+        let async_err = match handle.map(|h| h.async_error()) {
+            Some(Err(nccl_safe::Error::Aborted { .. })) | Some(Ok(())) | None => None,
+            Some(Err(e)) => Some(e),
+        };
+        if let Some(e) = async_err {
+            let (op, seq) = done
+                .iter()
+                .map(|(op, seq, _)| (*op, *seq))
+                .chain(self.oldest_pending())
+                .min_by_key(|&(_, seq)| seq)
+                .unwrap_or(("async error", self.recorder.last_seq()));
+            self.poison(op, seq, FailureKind::AsyncError(e));
+            return;
+        }
+        for (_, seq, _) in &done {
+            self.recorder.set_state(*seq, OpState::Completed);
+        }
+        self.recycle(done.into_iter().map(|(_, _, ev)| ev));
+    }
+}
