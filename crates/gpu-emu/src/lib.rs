@@ -16,6 +16,17 @@
 //!   `ncclInvalidArgument` otherwise). `cuMemGetInfo` reports the bytes
 //!   allocated on the current device. Pinned host memory is plain host memory
 //!   kept in the same registry.
+//! - **Lifetime**: `cuMemFree` and `ncclMemFree` first wait for the work
+//!   queued on the allocation's device before the call (every stream, the
+//!   legacy one and destroyed ones still draining included; captured work
+//!   never launched is not queued), as the driver synchronises: a free under
+//!   work that never ends never returns. Work checks its ranges again when
+//!   it runs, atomically with the access: memory not allocated then is a
+//!   sticky `CUDA_ERROR_ILLEGAL_ADDRESS` on the work's device (every later
+//!   synchronise, query, launch, allocation and free of that context returns
+//!   it; the last primary-context release clears it), or for NCCL the
+//!   communicator's asynchronous `ncclUnhandledCudaError`. The emulator
+//!   never reads or writes freed memory.
 //! - **Streams**: each created stream is an in-order queue drained by its own
 //!   worker thread, so work is asynchronous: `cuStreamQuery` says
 //!   `CUDA_ERROR_NOT_READY` while work is pending. Events are markers in the
@@ -49,6 +60,8 @@
 //!   stream is a no-op, and waiting on a pending event from a capturing
 //!   stream returns `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`.
 //! - Releasing a primary context does not free its allocations.
+//! - `cuMemFreeHost` does not wait for queued work; a queued copy that finds
+//!   its pinned memory gone is a sticky illegal address.
 //! - A send is buffered (eager): it completes once its data is posted.
 //! - `ncclCommShrink`, `ncclCommInitRankScalable`, `ncclGroupSimulateEnd`
 //!   and `ncclRedOpCreatePreMulSum` return `ncclInvalidUsage`.

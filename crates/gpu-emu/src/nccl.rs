@@ -28,6 +28,12 @@
 //!   meanwhile is `ncclInvalidUsage`. Abort drops the pending work.
 //! - A launched operation counts as in flight until its work runs or is
 //!   dropped.
+//! - An operation touches its buffers only when it runs, through
+//!   `memory::access`, which holds them live from the check to the last
+//!   byte: a buffer not allocated then (freed meanwhile) is the
+//!   communicator's asynchronous `ncclUnhandledCudaError` ("illegal memory
+//!   access") and nothing of that operation is written. An operation that
+//!   runs on a device with a sticky CUDA error fails the same way, unrun.
 //! - `ncclCommDestroy` returns only once no other communicator has work in
 //!   flight on a device of this communicator's peers (NCCL's teardown
 //!   unmaps buffers the peers' devices map, which waits for them), or once
@@ -50,7 +56,7 @@ use nccl_sys::{
 use parking_lot::{Condvar, Mutex};
 
 use crate::fault::{self, Fault};
-use crate::memory::{self, range_ok};
+use crate::memory::{self, Span, range_ok};
 use crate::stream::{self, Launcher, Target, Work};
 use crate::{Table, driver, guard, id_to_ptr, new_id, ptr_to_id, put};
 
@@ -524,14 +530,34 @@ fn illegal() -> CollErr {
 }
 
 fn read(p: u64, len: usize) -> Result<Vec<u8>, CollErr> {
-    if !range_ok(p, len, true) {
-        return Err(illegal());
-    }
     let mut v = vec![0u8; len];
-    // SAFETY: `[p, p + len)` is a live device allocation (checked above) and
-    // `v` holds `len` bytes.
-    unsafe { memory::copy(v.as_mut_ptr() as usize as u64, p, len) };
+    let to = v.as_mut_ptr() as usize as u64;
+    // SAFETY: `[p, p + len)` is a live device allocation for the whole copy
+    // (`access` holds the registry until it returns) and `v` holds `len`
+    // bytes.
+    memory::access(&[Span::device(p, len)], || unsafe {
+        memory::copy(to, p, len)
+    })
+    .ok_or_else(illegal)?;
     Ok(v)
+}
+
+/// Writes every `(destination, bytes)` pair, all or none: only if every
+/// destination is live, held live until the last byte is written.
+fn write_all(writes: &[(u64, Vec<u8>)]) -> Result<(), CollErr> {
+    let spans: Vec<Span> = writes
+        .iter()
+        .map(|(p, v)| Span::device(*p, v.len()))
+        .collect();
+    memory::access(&spans, || {
+        for (p, v) in writes {
+            // SAFETY: every destination is a live device allocation for the
+            // whole loop (`access` holds the registry) and `v` holds the
+            // bytes to copy.
+            unsafe { memory::copy(*p, v.as_ptr() as usize as u64, v.len()) };
+        }
+    })
+    .ok_or_else(illegal)
 }
 
 /// Computes a collective from every rank's descriptor and writes outputs.
@@ -611,15 +637,7 @@ fn compute(descs: &[Desc]) -> Result<(), CollErr> {
             }
         }
     }
-    if writes.iter().any(|(p, v)| !range_ok(*p, v.len(), true)) {
-        return Err(illegal());
-    }
-    for (p, v) in writes {
-        // SAFETY: every destination range is a live device allocation
-        // (checked above) and `v` holds the bytes to copy.
-        unsafe { memory::copy(p, v.as_ptr() as usize as u64, v.len()) };
-    }
-    Ok(())
+    write_all(&writes)
 }
 
 // ---------------------------------------------------------------- comms
@@ -1266,6 +1284,15 @@ fn run(comm: &Arc<Comm>, seq: u64, f: Option<Fault>, body: &Body) {
         comm.wait_aborted();
         return;
     }
+    if driver::sticky(comm.device).is_err() {
+        // The context is broken: NCCL's kernel cannot run, and NCCL reports
+        // the CUDA error; the peers wait for this rank, as on GPUs.
+        comm.set_async(
+            ncclResult_t::ncclUnhandledCudaError,
+            "the device has a sticky CUDA error (work touched memory that is not allocated)",
+        );
+        return;
+    }
     let (rank, world) = {
         let st = comm.st.lock();
         (st.rank as usize, st.world.clone())
@@ -1388,13 +1415,7 @@ fn run_recv(
             ),
         )));
     }
-    if !range_ok(buf, m.data.len(), true) {
-        return Some(Err(illegal()));
-    }
-    // SAFETY: the receive buffer is a live device allocation of at least
-    // `m.data.len()` bytes (checked above).
-    unsafe { memory::copy(buf, m.data.as_ptr() as usize as u64, m.data.len()) };
-    Some(Ok(()))
+    Some(write_all(&[(buf, m.data)]))
 }
 
 /// Launches (or groups) an operation of `comm` on `stream`. A
@@ -2216,7 +2237,10 @@ pub unsafe extern "C" fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize) -> ncc
     })
 }
 
-/// `ncclMemFree`: an unknown pointer is `ncclInvalidArgument`.
+/// `ncclMemFree`: frees as `cuMemFree` does (NCCL's `cudaFree` or cuMem
+/// unmap on the pointer's device), once the work queued on that device
+/// before the call has run; an unknown pointer is `ncclInvalidArgument`, a
+/// device with a sticky CUDA error `ncclUnhandledCudaError`.
 ///
 /// # Safety
 /// None: `ptr` is only compared with the registry.
@@ -2226,11 +2250,18 @@ pub unsafe extern "C" fn ncclMemFree(ptr: *mut c_void) -> ncclResult_t {
         if ptr.is_null() {
             return Ok(ncclResult_t::ncclSuccess);
         }
-        memory::free(ptr as usize as u64, true).map_err(|_| {
-            err(
-                ncclResult_t::ncclInvalidArgument,
-                format!("{ptr:p} was not allocated by ncclMemAlloc"),
-            )
+        memory::free(ptr as usize as u64, true).map_err(|e| {
+            if e == cuda_sys::CUresult::CUDA_ERROR_INVALID_VALUE {
+                err(
+                    ncclResult_t::ncclInvalidArgument,
+                    format!("{ptr:p} was not allocated by ncclMemAlloc"),
+                )
+            } else {
+                err(
+                    ncclResult_t::ncclUnhandledCudaError,
+                    format!("freeing {ptr:p} failed (CUDA error {})", e.0),
+                )
+            }
         })?;
         Ok(ncclResult_t::ncclSuccess)
     })
