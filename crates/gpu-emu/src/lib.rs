@@ -42,6 +42,15 @@
 //!   fp8, every built-in reduction (16-bit floats are added in `f32` and
 //!   rounded after each add, in rank order), registration, windows,
 //!   `ncclMemAlloc`, abort, finalize, destroy and asynchronous errors.
+//! - **Ordering**: each communicator runs its launches (an operation, its
+//!   part of a group, its captured operations at each graph launch) in issue
+//!   order across every stream, as NCCL 2.28.3's strong stream
+//!   (`sharedRes->deviceStream`) orders them: a launch's work first waits
+//!   until the communicator's previous launch has completed, so its stream
+//!   waits too. Children split from a communicator whose config sets
+//!   `splitShare` (or with `NCCL_COMM_SPLIT_SHARE_RESOURCES=1`) share its
+//!   order. An abort ends the communicator's queued work unrun, so every
+//!   stream it held drains.
 //! - **Non-blocking communicators** (`config.blocking = 0`) enqueue in the
 //!   background as NCCL 2.28 does: a collective or send/recv outside a
 //!   group, and a group end holding their work, return `ncclInProgress`; the

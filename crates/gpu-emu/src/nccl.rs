@@ -28,6 +28,16 @@
 //!   meanwhile is `ncclInvalidUsage`. Abort drops the pending work.
 //! - A launched operation counts as in flight until its work runs or is
 //!   dropped.
+//! - A communicator's launches run in issue order across every stream, as
+//!   NCCL's strong stream orders them: a launch (an operation outside a
+//!   group, the communicator's part of a group, or its captured operations
+//!   at each graph launch) takes the next ticket of the communicator's
+//!   [`Chain`] when it is launched, and its work, on whatever stream, first
+//!   waits until every earlier ticket is done, so the stream waits too.
+//!   Children split from a `splitShare` communicator share its chain. A
+//!   ticket is done when its work has run or been dropped (abort drops
+//!   pending work; work of an aborted communicator waiting for its turn
+//!   ends unrun), so an abort never leaves the chain blocked.
 //! - An operation touches its buffers only when it runs, through
 //!   `memory::access`, which holds them live from the check to the last
 //!   byte: a buffer not allocated then (freed meanwhile) is the
@@ -529,6 +539,7 @@ fn illegal() -> CollErr {
     )
 }
 
+/// A copy of `[p, p + len)`, read while the range is held live.
 fn read(p: u64, len: usize) -> Result<Vec<u8>, CollErr> {
     let mut v = vec![0u8; len];
     let to = v.as_mut_ptr() as usize as u64;
@@ -656,11 +667,122 @@ struct CommSt {
     wins: BTreeSet<u64>,
 }
 
+/// A communicator's strong stream, NCCL's `sharedRes->deviceStream`:
+/// every launch of the communicator (an operation outside a group, or the
+/// communicator's part of a group, eager or replayed from a graph) takes
+/// the next ticket when it is launched, and its work, on whatever stream,
+/// first waits until every earlier ticket is done. NCCL 2.28.3 makes the
+/// launch stream wait on the strong stream before each kernel and advances
+/// the strong stream to the kernel's completion after it (`src/enqueue.cc`,
+/// `ncclLaunchPrepare` and `ncclLaunchFinish`), so a communicator's work
+/// runs in issue order across streams. Communicators split with
+/// `splitShare` share their parent's chain (`commAlloc` in `src/init.cc`
+/// reuses `parent->sharedRes`).
+struct Chain {
+    st: Mutex<ChainSt>,
+    cv: Condvar,
+}
+
+struct ChainSt {
+    /// The next ticket to hand out.
+    next: u64,
+    /// Every ticket below this one is done.
+    done_below: u64,
+    /// Tickets at or above `done_below` that are done (out of order: one
+    /// dropped by an abort before an earlier one ran).
+    done: BTreeSet<u64>,
+}
+
+impl Chain {
+    fn new() -> Arc<Chain> {
+        Arc::new(Chain {
+            st: Mutex::new(ChainSt {
+                next: 0,
+                done_below: 0,
+                done: BTreeSet::new(),
+            }),
+            cv: Condvar::new(),
+        })
+    }
+
+    /// The next place in the chain; it is done when the ticket is dropped.
+    fn take(self: &Arc<Self>) -> Arc<Ticket> {
+        let mut st = self.st.lock();
+        let n = st.next;
+        st.next += 1;
+        Arc::new(Ticket {
+            chain: self.clone(),
+            n,
+        })
+    }
+
+    fn complete(&self, n: u64) {
+        let mut st = self.st.lock();
+        st.done.insert(n);
+        loop {
+            let next = st.done_below;
+            if !st.done.remove(&next) {
+                break;
+            }
+            st.done_below += 1;
+        }
+        self.cv.notify_all();
+    }
+
+    fn wake(&self) {
+        let _st = self.st.lock();
+        self.cv.notify_all();
+    }
+}
+
+/// A launch's place in its communicator's chain, shared by the launch's
+/// work items; done (and the chain advances) when the last is dropped,
+/// whether it ran or was dropped unrun.
+struct Ticket {
+    chain: Arc<Chain>,
+    n: u64,
+}
+
+impl Ticket {
+    /// Waits until every earlier launch on the chain is done; false when
+    /// `comm` is aborted first.
+    fn wait_turn(&self, comm: &Comm) -> bool {
+        let mut st = self.chain.st.lock();
+        while st.done_below < self.n {
+            if comm.aborted() {
+                return false;
+            }
+            self.chain.cv.wait_for(&mut st, TICK);
+        }
+        true
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.chain.complete(self.n);
+    }
+}
+
+/// The parts of an `ncclConfig_t` the emulator uses.
+#[derive(Debug, Clone, Copy)]
+struct Cfg {
+    blocking: bool,
+    /// `splitShare`: children split from this communicator share its
+    /// resources (its strong stream among them).
+    split_share: bool,
+}
+
 /// One rank's communicator.
 struct Comm {
     id: u64,
     device: i32,
     blocking: bool,
+    /// Children split from it share its chain (`config.splitShare`).
+    split_share: bool,
+    /// Its strong stream; shared with the parent when split with
+    /// `splitShare`.
+    chain: Arc<Chain>,
     /// Never joined (`nojoin` fault): its operations block until abort.
     ghost: bool,
     aborted: AtomicBool,
@@ -679,11 +801,20 @@ struct Comm {
 }
 
 impl Comm {
-    fn new(device: i32, blocking: bool, ghost: bool, rank: i32, nranks: i32) -> Arc<Comm> {
+    fn new(
+        device: i32,
+        cfg: Cfg,
+        chain: Arc<Chain>,
+        ghost: bool,
+        rank: i32,
+        nranks: i32,
+    ) -> Arc<Comm> {
         Arc::new(Comm {
             id: new_id(),
             device,
-            blocking,
+            blocking: cfg.blocking,
+            split_share: cfg.split_share,
+            chain,
             ghost,
             aborted: AtomicBool::new(false),
             dead: AtomicBool::new(false),
@@ -892,11 +1023,19 @@ fn unjoin(comm: &Arc<Comm>) {
     });
 }
 
-/// Whether the init is blocking, from an optional config.
+/// `NCCL_COMM_SPLIT_SHARE_RESOURCES`, which overrides every config's
+/// `splitShare` when set (`parseCommConfig` in NCCL's `src/init.cc`).
+fn split_share_env() -> Option<bool> {
+    let v = std::env::var("NCCL_COMM_SPLIT_SHARE_RESOURCES").ok()?;
+    v.trim().parse::<i32>().ok().map(|n| n == 1)
+}
+
+/// The config's blocking mode and `splitShare`, from an optional config;
+/// `default` for a null one (a split's null config copies the parent's).
 ///
 /// # Safety
 /// `cfg` is null or points to a config of at least `cfg.size` bytes.
-unsafe fn parse_config(cfg: *const ncclConfig_t, default: bool) -> R<bool> {
+unsafe fn parse_config(cfg: *const ncclConfig_t, default: Cfg) -> R<Cfg> {
     if cfg.is_null() {
         return Ok(default);
     }
@@ -917,7 +1056,30 @@ unsafe fn parse_config(cfg: *const ncclConfig_t, default: bool) -> R<bool> {
     }
     // SAFETY: the config holds at least 20 bytes, so `blocking` is present.
     let b = unsafe { (*cfg).blocking };
-    Ok(b == i32::MIN || b != 0)
+    let share_end = std::mem::offset_of!(ncclConfig_t, splitShare) + size_of::<c_int>();
+    let share = if size >= share_end {
+        // SAFETY: the config holds `size` bytes, past `splitShare`.
+        unsafe { (*cfg).splitShare }
+    } else {
+        i32::MIN
+    };
+    Ok(Cfg {
+        blocking: b == i32::MIN || b != 0,
+        split_share: split_share_env().unwrap_or(share == 1),
+    })
+}
+
+/// The config of a communicator made by an init call.
+///
+/// # Safety
+/// As [`parse_config`].
+unsafe fn init_config(cfg: *const ncclConfig_t) -> R<Cfg> {
+    let default = Cfg {
+        blocking: true,
+        split_share: split_share_env().unwrap_or(false),
+    };
+    // SAFETY: forwarded from this function's contract.
+    unsafe { parse_config(cfg, default) }
 }
 
 // ---------------------------------------------------------------- groups
@@ -1020,33 +1182,49 @@ fn group_end() -> R<ncclResult_t> {
         .iter()
         .any(|(t, v)| !t.stream.capturing() && v.iter().any(|it| !it.comm.blocking));
     let mut result = ncclResult_t::ncclSuccess;
+    // The group is one launch per communicator: its items on every stream
+    // share one ticket of the communicator's chain. Work recorded on a
+    // capturing stream takes its tickets at each graph launch instead.
+    let mut tickets = Tickets::default();
+    let recorded = |t: &Target, v: Vec<GroupItem>| {
+        let items = v.into_iter().map(|it| (it.comm, it.body)).collect();
+        stream::enqueue(t, group_launcher(items));
+    };
     if deferred {
         let mut job = Job::default();
         for (t, v) in per {
             if t.stream.capturing() {
-                let ls: Vec<Launcher> =
-                    v.into_iter().map(|it| launcher(it.comm, it.body)).collect();
-                stream::enqueue(&t, combine_launchers(ls));
+                recorded(&t, v);
                 continue;
             }
             let mut works = Vec::with_capacity(v.len());
             for it in v {
-                let (w, need) = launch(&it.comm, &it.body);
+                let (w, need) = launch(&it.comm, &it.body, tickets.of(&it.comm));
                 job.add_comm(&it.comm, need);
                 works.push((it.comm, w));
             }
             job.items.push((t, works));
         }
+        drop(tickets);
         defer(job);
         result = ncclResult_t::ncclInProgress;
     } else {
         let mut waits = Vec::new();
         for (t, v) in per {
-            let ls: Vec<Launcher> = v.into_iter().map(|it| launcher(it.comm, it.body)).collect();
-            if stream::enqueue(&t, combine_launchers(ls)) && t.sync {
+            if t.stream.capturing() {
+                recorded(&t, v);
+                continue;
+            }
+            let works = v
+                .iter()
+                .map(|it| launch(&it.comm, &it.body, tickets.of(&it.comm)).0)
+                .collect();
+            stream::push_launched(&t, sequence(works));
+            if t.sync {
                 waits.push(t.stream);
             }
         }
+        drop(tickets);
         for s in waits {
             s.wait_idle().map_err(|e| {
                 err(
@@ -1084,21 +1262,48 @@ enum Body {
     },
 }
 
-/// One launcher running `ls` in order as one task.
-fn combine_launchers(ls: Vec<Launcher>) -> Launcher {
-    Arc::new(move || {
-        let works: Vec<Work> = ls.iter().map(|l| l()).collect();
-        Box::new(move || {
-            for w in works {
-                w();
-            }
-        })
+/// The tickets of one launch, one per communicator.
+#[derive(Default)]
+struct Tickets(Vec<(u64, Arc<Ticket>)>);
+
+impl Tickets {
+    /// `comm`'s ticket in this launch, taken at its first use.
+    fn of(&mut self, comm: &Arc<Comm>) -> Arc<Ticket> {
+        if let Some((_, t)) = self.0.iter().find(|(id, _)| *id == comm.id) {
+            return t.clone();
+        }
+        let t = comm.chain.take();
+        self.0.push((comm.id, t.clone()));
+        t
+    }
+}
+
+/// Work items run in order as one task.
+fn sequence(works: Vec<Work>) -> Work {
+    Box::new(move || {
+        for w in works {
+            w();
+        }
     })
 }
 
-/// A launcher of `body` for the stream (immediate launch or capture).
+/// A launcher of `body` for the stream (immediate launch or capture): each
+/// launch takes the next ticket of the communicator's chain.
 fn launcher(comm: Arc<Comm>, body: Arc<Body>) -> Launcher {
-    Arc::new(move || launch(&comm, &body).0)
+    Arc::new(move || launch(&comm, &body, comm.chain.take()).0)
+}
+
+/// A launcher of a group's items on one capturing stream: each launch (each
+/// graph launch) takes one ticket per communicator for all its items.
+fn group_launcher(items: Vec<(Arc<Comm>, Arc<Body>)>) -> Launcher {
+    Arc::new(move || {
+        let mut tickets = Tickets::default();
+        let works = items
+            .iter()
+            .map(|(c, b)| launch(c, b, tickets.of(c)).0)
+            .collect();
+        sequence(works)
+    })
 }
 
 /// What a non-blocking communicator's first operation waits for before it
@@ -1126,11 +1331,13 @@ impl Need {
     }
 }
 
-/// Launches `body` now: takes its sequence number, registers the launch
-/// with the world (for lazy connection), takes its fault, counts it in
-/// flight until its work runs or is dropped, and returns the work with what
-/// a first operation waits for.
-fn launch(comm: &Arc<Comm>, body: &Arc<Body>) -> (Work, Need) {
+/// Launches `body` now as part of the launch holding `ticket`: takes its
+/// sequence number, registers the launch with the world (for lazy
+/// connection), takes its fault, counts it in flight until its work runs or
+/// is dropped, and returns the work with what a first operation waits for.
+/// The work first waits for its turn on the communicator's chain; aborted
+/// meanwhile, it ends without touching memory.
+fn launch(comm: &Arc<Comm>, body: &Arc<Body>, ticket: Arc<Ticket>) -> (Work, Need) {
     let seq = match **body {
         Body::Coll(_) => comm.seq.fetch_add(1, Ordering::AcqRel) + 1,
         _ => 0,
@@ -1180,7 +1387,10 @@ fn launch(comm: &Arc<Comm>, body: &Arc<Body>) -> (Work, Need) {
     let body = body.clone();
     let work: Work = Box::new(move || {
         let _g = g;
-        run(&comm, seq, f, &body);
+        if ticket.wait_turn(&comm) {
+            run(&comm, seq, f, &body);
+        }
+        drop(ticket);
     });
     (work, need)
 }
@@ -1255,14 +1465,7 @@ fn defer(job: Job) {
                     .map(|(_, w)| w)
                     .collect();
                 if !works.is_empty() {
-                    stream::push_launched(
-                        &t,
-                        Box::new(move || {
-                            for w in works {
-                                w();
-                            }
-                        }),
-                    );
+                    stream::push_launched(&t, sequence(works));
                 }
             }
             finish(&job.comms);
@@ -1442,7 +1645,7 @@ fn submit_op(comm: &Arc<Comm>, stream: cudaStream_t, is_send: bool, body: Body) 
     }
     comm.enqueue_call()?;
     if !comm.blocking && !target.stream.capturing() {
-        let (w, need) = launch(comm, &body);
+        let (w, need) = launch(comm, &body, comm.chain.take());
         let mut job = Job::default();
         job.add_comm(comm, need);
         job.items.push((target, vec![(comm.clone(), w)]));
@@ -1631,7 +1834,8 @@ unsafe fn init_rank(
         return fail(ncclResult_t::ncclInvalidArgument, "comm is NULL");
     }
     // SAFETY: `cfg` is null or a valid config (this function's contract).
-    let blocking = unsafe { parse_config(cfg, true) }?;
+    let cfg = unsafe { init_config(cfg) }?;
+    let blocking = cfg.blocking;
     if nranks < 1 {
         return fail(
             ncclResult_t::ncclInvalidArgument,
@@ -1650,7 +1854,7 @@ unsafe fn init_rank(
     }
     let ghost = f == Some(Fault::NoJoin);
     let device = driver::current_device().unwrap_or(0);
-    let comm = Comm::new(device, blocking, ghost, rank, nranks);
+    let comm = Comm::new(device, cfg, Chain::new(), ghost, rank, nranks);
     if !ghost {
         join(key_of(id), nranks, rank, &comm)?;
     }
@@ -1747,7 +1951,9 @@ pub unsafe extern "C" fn ncclCommInitAll(
         let mut key = [0u8; 128];
         rand::rng().fill(&mut key[..]);
         for (i, d) in devs.into_iter().enumerate() {
-            let c = Comm::new(d, true, false, i as c_int, ndev);
+            // SAFETY: a null config.
+            let cfg = unsafe { init_config(std::ptr::null()) }?;
+            let c = Comm::new(d, cfg, Chain::new(), false, i as c_int, ndev);
             join(key, ndev, i as c_int, &c)?;
             COMMS.insert_at(c.id, c.clone());
             // SAFETY: `comms` holds `ndev` slots (this function's contract).
@@ -1785,8 +1991,21 @@ pub unsafe extern "C" fn ncclCommSplit(
             if newcomm.is_null() {
                 return fail(ncclResult_t::ncclInvalidArgument, "newcomm is NULL");
             }
+            let inherited = Cfg {
+                blocking: parent.blocking,
+                split_share: parent.split_share,
+            };
             // SAFETY: `config` is null or valid (this function's contract).
-            let blocking = unsafe { parse_config(config, parent.blocking) }?;
+            let cfg = unsafe { parse_config(config, inherited) }?;
+            let blocking = cfg.blocking;
+            // The parent's `splitShare` decides (`comm->shareResources` in
+            // NCCL's `ncclCommSplit`): the child uses the parent's strong
+            // stream, so their work is ordered as one communicator's.
+            let chain = if parent.split_share {
+                parent.chain.clone()
+            } else {
+                Chain::new()
+            };
             if color < 0 && color != NCCL_SPLIT_NOCOLOR {
                 return fail(
                     ncclResult_t::ncclInvalidArgument,
@@ -1794,7 +2013,7 @@ pub unsafe extern "C" fn ncclCommSplit(
                 );
             }
             let child = (color != NCCL_SPLIT_NOCOLOR)
-                .then(|| Comm::new(parent.device, blocking, false, -1, -1));
+                .then(|| Comm::new(parent.device, cfg, chain, false, -1, -1));
             let h = child.as_ref().map_or(std::ptr::null_mut(), |c| c.handle());
             if let Some(c) = &child {
                 COMMS.insert_at(c.id, c.clone());
@@ -2016,6 +2235,8 @@ pub extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
         COMMS.remove(c.id);
         ABORTED.lock().insert(c.id);
         c.aborted.store(true, Ordering::Release);
+        // Its work waiting for a turn on the chain ends now, unrun.
+        c.chain.wake();
         for child in c.splitting.lock().drain(..) {
             child.aborted.store(true, Ordering::Release);
             let _st = child.st.lock();
