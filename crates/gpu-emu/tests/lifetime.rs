@@ -5,10 +5,11 @@
 //! `CUDA_ERROR_ILLEGAL_ADDRESS` for driver work, the communicator's
 //! asynchronous error for NCCL), never a read of freed memory.
 //!
-//! Each test uses its own devices: a sticky error breaks its device's
-//! context for the rest of this process, and a free waits for every stream
-//! of its device. Device 7 only holds memory that work on the other
-//! devices uses, so frees there never wait.
+//! Each test that breaks a context uses its own device: a sticky error
+//! breaks its device's context for the rest of this process. A free waits
+//! for every stream of its device, so tests that share a device (0 and 1)
+//! only hold their streams briefly. Device 7 only holds memory that work
+//! on the other devices uses, so frees there never wait for queued work.
 
 mod common;
 
@@ -383,4 +384,66 @@ fn a_free_racing_a_running_kernel_never_reads_freed_memory() {
     assert_eq!(stream_sync(s), CUresult::CUDA_SUCCESS);
     set_device(MEM_DEV);
     free(dst);
+}
+
+/// The backend's shutdown after a failed fast path: a receive into the
+/// scratch buffer that never completes, the add kernel queued behind it on
+/// the same stream, an abort that ends the receive (so the kernel runs),
+/// and a free of the scratch buffer while the kernel still reads it. The
+/// free waits for the kernel, queued on its device before the free, and
+/// the process never reads freed memory. (Device 1, whose other test
+/// frees only once its own work has run.)
+#[test]
+fn a_shutdown_free_of_the_scratch_waits_for_the_add_kernel_behind_a_failed_recv() {
+    const DEVS: [i32; 2] = [1, 0];
+    const N: usize = 64 << 20;
+    const ONE_PAIR: u32 = 0x3F80_3F80;
+    const TWO: u16 = 0x4000;
+    let c = init_all(&DEVS);
+    set_device(DEVS[0]);
+    let f = add_kernel();
+    let s = stream();
+    let (dst, scratch) = (alloc(2 * N), alloc(2 * N));
+    // SAFETY: plain values; both buffers hold N / 2 words.
+    unsafe {
+        ck(call!(cuda(), cuMemsetD32_v2(dst, ONE_PAIR, N / 2)).unwrap());
+        ck(call!(cuda(), cuMemsetD32_v2(scratch, ONE_PAIR, N / 2)).unwrap());
+    }
+    // SAFETY: `scratch` holds N bf16.
+    nck(unsafe {
+        nccl_sys::call!(
+            nccl(),
+            ncclRecv(
+                scratch as *mut c_void,
+                N,
+                ncclDataType_t::ncclBfloat16,
+                1,
+                c[0],
+                s
+            )
+        )
+    }
+    .unwrap());
+    ck(launch_add(f, dst, scratch, N, s));
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(
+        query(s),
+        CUresult::CUDA_ERROR_NOT_READY,
+        "the peer never sends"
+    );
+    nck(abort(c[0]));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while download::<u16>(dst, 1)[0] != TWO {
+        assert!(Instant::now() < deadline, "the add kernel never started");
+    }
+    assert_eq!(try_free(scratch), CUresult::CUDA_SUCCESS);
+    assert_eq!(
+        download::<u16>(dst + 2 * (N as u64 - 1), 1)[0],
+        TWO,
+        "the kernel ran to its end before the free returned"
+    );
+    assert_eq!(query(s), CUresult::CUDA_SUCCESS);
+    free(dst);
+    destroy_stream(s);
+    nck(abort(c[1]));
 }
