@@ -1183,8 +1183,9 @@ fn group_end() -> R<ncclResult_t> {
         .any(|(t, v)| !t.stream.capturing() && v.iter().any(|it| !it.comm.blocking));
     let mut result = ncclResult_t::ncclSuccess;
     // The group is one launch per communicator: its items on every stream
-    // share one ticket of the communicator's chain. Work recorded on a
-    // capturing stream takes its tickets at each graph launch instead.
+    // share one ticket of the communicator's chain (one per chain, see
+    // `Tickets`). Work recorded on a capturing stream takes its tickets at
+    // each graph launch instead.
     let mut tickets = Tickets::default();
     let recorded = |t: &Target, v: Vec<GroupItem>| {
         let items = v.into_iter().map(|it| (it.comm, it.body)).collect();
@@ -1262,18 +1263,21 @@ enum Body {
     },
 }
 
-/// The tickets of one launch, one per communicator.
+/// The tickets of one group launch, one per chain: communicators that
+/// share a chain (a `splitShare` family) share the group's ticket, so the
+/// group's items, which run in one task per stream with sends first, never
+/// wait for one another through the chain.
 #[derive(Default)]
-struct Tickets(Vec<(u64, Arc<Ticket>)>);
+struct Tickets(Vec<Arc<Ticket>>);
 
 impl Tickets {
-    /// `comm`'s ticket in this launch, taken at its first use.
+    /// The ticket of `comm`'s chain in this launch, taken at its first use.
     fn of(&mut self, comm: &Arc<Comm>) -> Arc<Ticket> {
-        if let Some((_, t)) = self.0.iter().find(|(id, _)| *id == comm.id) {
+        if let Some(t) = self.0.iter().find(|t| Arc::ptr_eq(&t.chain, &comm.chain)) {
             return t.clone();
         }
         let t = comm.chain.take();
-        self.0.push((comm.id, t.clone()));
+        self.0.push(t.clone());
         t
     }
 }
@@ -1294,7 +1298,7 @@ fn launcher(comm: Arc<Comm>, body: Arc<Body>) -> Launcher {
 }
 
 /// A launcher of a group's items on one capturing stream: each launch (each
-/// graph launch) takes one ticket per communicator for all its items.
+/// graph launch) takes one ticket per chain for all its items.
 fn group_launcher(items: Vec<(Arc<Comm>, Arc<Body>)>) -> Launcher {
     Arc::new(move || {
         let mut tickets = Tickets::default();

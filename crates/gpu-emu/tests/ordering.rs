@@ -398,6 +398,54 @@ fn a_split_share_child_runs_after_its_parents_earlier_work() {
     }
 }
 
+/// A group holding a `splitShare` parent's and child's exchanges on one
+/// stream is one launch on their shared order: the group's sends and recvs
+/// of both communicators run together, not the child's after the parent's
+/// (which, in the group's single task with sends first, would wait for the
+/// parent's recv queued behind the child's send).
+#[test]
+fn a_group_of_a_split_share_family_runs_as_one_launch() {
+    const DEVS: [i32; 2] = [4, 5];
+    const N: usize = 40;
+    let parent = pair(DEVS, config(true, true));
+    let child = split(DEVS, parent);
+    let bytes = || -> Vec<u8> { (0..N).map(|_| rand::random_range(1..=255u8)).collect() };
+    let data: Vec<[Vec<u8>; 2]> = (0..2).map(|_| [bytes(), bytes()]).collect();
+    let mut ranks = Vec::new();
+    for r in 0..2 {
+        set_device(DEVS[r]);
+        let s = stream();
+        let mut got = Vec::new();
+        group_start();
+        for (k, c) in [parent[r], child[r]].into_iter().enumerate() {
+            let (send, recv) = (alloc(N), alloc(N));
+            upload(send, &data[r][k]);
+            poison(recv, N);
+            nck(p2p(false, recv, N, 1 - r, c, s));
+            nck(p2p(true, send, N, 1 - r, c, s));
+            got.push(recv);
+        }
+        nck(group_end());
+        ranks.push((s, got));
+    }
+    for (r, (s, got)) in ranks.iter().enumerate() {
+        set_device(DEVS[r]);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while query(*s) != CUresult::CUDA_SUCCESS {
+            assert!(Instant::now() < deadline, "rank {r}: the group never ran");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        for (k, p) in got.iter().enumerate() {
+            assert_eq!(download::<u8>(*p, N), data[1 - r][k], "rank {r}, comm {k}");
+        }
+    }
+    for c in [child, parent] {
+        for h in c {
+            nck(destroy(h));
+        }
+    }
+}
+
 /// Captured NCCL work takes its place in the communicator's order when the
 /// graph is launched (NCCL's graph mixing): a graph launched after an eager
 /// operation on a held stream waits for it.
