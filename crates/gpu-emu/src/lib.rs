@@ -71,6 +71,13 @@
 //! - Releasing a primary context does not free its allocations.
 //! - `cuMemFreeHost` does not wait for queued work; a queued copy that finds
 //!   its pinned memory gone is a sticky illegal address.
+//! - A group's items on several streams run on their own streams, each
+//!   after the communicator's previous launch; NCCL also joins the streams
+//!   (the first waits for the others before the kernel, the others for the
+//!   kernel after it). Communicators of one `splitShare` family in one
+//!   group share the group's place in their order (NCCL launches them one
+//!   after another); a `splitShare` child does not share its parent's abort
+//!   flag as NCCL's does.
 //! - A send is buffered (eager): it completes once its data is posted.
 //! - `ncclCommShrink`, `ncclCommInitRankScalable`, `ncclGroupSimulateEnd`
 //!   and `ncclRedOpCreatePreMulSum` return `ncclInvalidUsage`.

@@ -1266,7 +1266,9 @@ enum Body {
 /// The tickets of one group launch, one per chain: communicators that
 /// share a chain (a `splitShare` family) share the group's ticket, so the
 /// group's items, which run in one task per stream with sends first, never
-/// wait for one another through the chain.
+/// wait for one another through the chain. (NCCL launches such
+/// communicators' kernels one after another; in one task that order
+/// would make a send wait for a recv queued behind it.)
 #[derive(Default)]
 struct Tickets(Vec<Arc<Ticket>>);
 
