@@ -5,6 +5,13 @@
 //! - Nothing but the error-name functions works before `cuInit`.
 //! - A context handle is `CTX_BASE + 16 * device`; the current context is a
 //!   thread-local device ordinal.
+//! - A device's primary context holds at most one sticky error (the first
+//!   one, such as `CUDA_ERROR_ILLEGAL_ADDRESS` from work that touched memory
+//!   not allocated when it ran). Once set, every later call on that context
+//!   (synchronise, query, launch, copy, allocate, free) returns it, and
+//!   driver work still queued there is dropped as it is reached, as on a
+//!   GPU. It is cleared when the last reference to the primary context is
+//!   released (the driver destroys the context then).
 
 use std::cell::Cell;
 use std::collections::BTreeSet;
@@ -27,6 +34,35 @@ const CTX_BASE: u64 = 0xC0_0000;
 const MAX_DEVICES: i32 = 64;
 
 static INITIALIZED: AtomicBool = AtomicBool::new(false);
+
+/// Each device's sticky error (0: none).
+static STICKY: [AtomicU32; MAX_DEVICES as usize] =
+    [const { AtomicU32::new(0) }; MAX_DEVICES as usize];
+
+/// Records `error` as `device`'s sticky error, unless it already has one.
+pub(crate) fn set_sticky(device: i32, error: CUresult) {
+    if let Some(s) = usize::try_from(device).ok().and_then(|d| STICKY.get(d)) {
+        let _ = s.compare_exchange(0, error.0, Ordering::AcqRel, Ordering::Acquire);
+    }
+}
+
+/// `device`'s sticky error, if its context has one.
+pub(crate) fn sticky(device: i32) -> Result<(), CUresult> {
+    let code = usize::try_from(device)
+        .ok()
+        .and_then(|d| STICKY.get(d))
+        .map_or(0, |s| s.load(Ordering::Acquire));
+    if code == 0 {
+        Ok(())
+    } else {
+        Err(CUresult(code))
+    }
+}
+
+/// The current context's sticky error, if a context is current and has one.
+pub(crate) fn current_sticky() -> Result<(), CUresult> {
+    current_device().map_or(Ok(()), sticky)
+}
 
 thread_local! {
     static CURRENT: Cell<i32> = const { Cell::new(-1) };
@@ -367,16 +403,22 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUd
 }
 
 /// `cuDevicePrimaryCtxRelease_v2`: drops a reference; releasing one never
-/// retained is `CUDA_ERROR_INVALID_CONTEXT`.
+/// retained is `CUDA_ERROR_INVALID_CONTEXT`. The last release clears the
+/// context's sticky error.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult {
     guard(CUresult::CUDA_ERROR_UNKNOWN, || {
         code((|| {
             check_dev(dev)?;
-            refcounts()[dev as usize]
+            let before = refcounts()[dev as usize]
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
-                .map(|_| ())
-                .map_err(|_| CUresult::CUDA_ERROR_INVALID_CONTEXT)
+                .map_err(|_| CUresult::CUDA_ERROR_INVALID_CONTEXT)?;
+            if before == 1 {
+                // The last reference: the driver destroys the context, and
+                // its sticky error with it.
+                STICKY[dev as usize].store(0, Ordering::Release);
+            }
+            Ok(())
         })())
     })
 }
@@ -430,14 +472,16 @@ pub unsafe extern "C" fn cuCtxGetDevice(device: *mut CUdevice) -> CUresult {
     })
 }
 
-/// `cuCtxSynchronize`: waits for every stream of the current device.
+/// `cuCtxSynchronize`: waits for every stream of the current device, then
+/// reports the context's sticky error, if any.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuCtxSynchronize() -> CUresult {
     guard(CUresult::CUDA_ERROR_UNKNOWN, || {
         code((|| {
             check_init()?;
             let d = current_device().ok_or(CUresult::CUDA_ERROR_INVALID_CONTEXT)?;
-            crate::stream::sync_device(d)
+            crate::stream::sync_device(d)?;
+            sticky(d)
         })())
     })
 }

@@ -5,7 +5,10 @@
 //! - A function handle exists only for an entry that is in its module's PTX
 //!   and has a host implementation.
 //! - Every range a kernel touches is checked at launch and again when it
-//!   runs.
+//!   runs, atomically with the run (`memory::access`): a range not
+//!   allocated then is the device's sticky `CUDA_ERROR_ILLEGAL_ADDRESS`,
+//!   never a read of freed memory. A device with a sticky error refuses
+//!   launches and drops queued kernels.
 
 use std::ffi::{CStr, c_char, c_uint, c_void};
 use std::sync::Arc;
@@ -14,7 +17,7 @@ use cuda_sys::{CUfunction, CUmodule, CUresult, CUstream};
 use half::bf16;
 
 use crate::driver::{check_init, code};
-use crate::memory::range_ok;
+use crate::memory::{self, Span, range_ok};
 use crate::stream::{self, Launcher};
 use crate::{Table, driver, guard, id_to_ptr, ptr_to_id, put};
 
@@ -188,6 +191,8 @@ pub unsafe extern "C" fn cuLaunchKernel(
                 return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
             }
             let target = stream::resolve(s, None)?;
+            let dev = target.stream.device();
+            driver::sticky(dev)?;
             match *k {
                 Kernel::Bf16AddInplace => {
                     // SAFETY: `params` holds pointers to the three arguments
@@ -210,20 +215,19 @@ pub unsafe extern "C" fn cuLaunchKernel(
                     if !range_ok(dst, bytes, true) || !range_ok(src, bytes, true) {
                         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
                     }
+                    let spans = [Span::device(dst, bytes), Span::device(src, bytes)];
                     let l: Launcher = Arc::new(move || {
                         Box::new(move || {
-                            if !range_ok(dst, bytes, true) || !range_ok(src, bytes, true) {
-                                tracing::error!(
-                                    dst,
-                                    src,
-                                    n,
-                                    "bf16_add_inplace on freed memory skipped"
-                                );
+                            if driver::sticky(dev).is_err() {
                                 return;
                             }
-                            // SAFETY: both ranges hold `n` bf16 values (checked
-                            // just above).
-                            unsafe { bf16_add(dst, src, n) };
+                            // SAFETY: both ranges hold `n` bf16 values for the
+                            // whole run (checked under the registry lock that
+                            // `access` holds until the closure returns).
+                            let ran = memory::access(&spans, || unsafe { bf16_add(dst, src, n) });
+                            if ran.is_none() {
+                                memory::illegal_address(dev, "bf16_add_inplace", dst, bytes);
+                            }
                         })
                     });
                     stream::submit(&target, l)

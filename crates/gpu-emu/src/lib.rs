@@ -16,6 +16,17 @@
 //!   `ncclInvalidArgument` otherwise). `cuMemGetInfo` reports the bytes
 //!   allocated on the current device. Pinned host memory is plain host memory
 //!   kept in the same registry.
+//! - **Lifetime**: `cuMemFree` and `ncclMemFree` first wait for the work
+//!   queued on the allocation's device before the call (every stream, the
+//!   legacy one and destroyed ones still draining included; captured work
+//!   never launched is not queued), as the driver synchronises: a free under
+//!   work that never ends never returns. Work checks its ranges again when
+//!   it runs, atomically with the access: memory not allocated then is a
+//!   sticky `CUDA_ERROR_ILLEGAL_ADDRESS` on the work's device (every later
+//!   synchronise, query, launch, allocation and free of that context returns
+//!   it; the last primary-context release clears it), or for NCCL the
+//!   communicator's asynchronous `ncclUnhandledCudaError`. The emulator
+//!   never reads or writes freed memory.
 //! - **Streams**: each created stream is an in-order queue drained by its own
 //!   worker thread, so work is asynchronous: `cuStreamQuery` says
 //!   `CUDA_ERROR_NOT_READY` while work is pending. Events are markers in the
@@ -31,6 +42,15 @@
 //!   fp8, every built-in reduction (16-bit floats are added in `f32` and
 //!   rounded after each add, in rank order), registration, windows,
 //!   `ncclMemAlloc`, abort, finalize, destroy and asynchronous errors.
+//! - **Ordering**: each communicator runs its launches (an operation, its
+//!   part of a group, its captured operations at each graph launch) in issue
+//!   order across every stream, as NCCL 2.28.3's strong stream
+//!   (`sharedRes->deviceStream`) orders them: a launch's work first waits
+//!   until the communicator's previous launch has completed, so its stream
+//!   waits too. Children split from a communicator whose config sets
+//!   `splitShare` (or with `NCCL_COMM_SPLIT_SHARE_RESOURCES=1`) share its
+//!   order. An abort ends the communicator's queued work unrun, so every
+//!   stream it held drains.
 //! - **Non-blocking communicators** (`config.blocking = 0`) enqueue in the
 //!   background as NCCL 2.28 does: a collective or send/recv outside a
 //!   group, and a group end holding their work, return `ncclInProgress`; the
@@ -49,6 +69,15 @@
 //!   stream is a no-op, and waiting on a pending event from a capturing
 //!   stream returns `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`.
 //! - Releasing a primary context does not free its allocations.
+//! - `cuMemFreeHost` does not wait for queued work; a queued copy that finds
+//!   its pinned memory gone is a sticky illegal address.
+//! - A group's items on several streams run on their own streams, each
+//!   after the communicator's previous launch; NCCL also joins the streams
+//!   (the first waits for the others before the kernel, the others for the
+//!   kernel after it). Communicators of one `splitShare` family in one
+//!   group share the group's place in their order (NCCL launches them one
+//!   after another); a `splitShare` child does not share its parent's abort
+//!   flag as NCCL's does.
 //! - A send is buffered (eager): it completes once its data is posted.
 //! - `ncclCommShrink`, `ncclCommInitRankScalable`, `ncclGroupSimulateEnd`
 //!   and `ncclRedOpCreatePreMulSum` return `ncclInvalidUsage`.

@@ -5,7 +5,20 @@
 //! - Every allocation is host memory from `std::alloc`, 256-byte aligned,
 //!   filled with `0xA5`, and recorded as `start -> (len, device)` until freed.
 //! - Every device-side range is checked against the registry before it is
-//!   touched: a range must lie inside one live allocation.
+//!   touched: a range must lie inside one live allocation. Work that runs
+//!   later (on a stream) checks again when it runs, through [`access`],
+//!   which holds the registry's read lock from the check to the end of the
+//!   access: a free takes the write lock, so it can never release memory
+//!   between the check and the access, and the emulator never reads or
+//!   writes freed host memory.
+//! - A free of device memory first waits for the work queued on the
+//!   allocation's device before the free (every stream of the device, the
+//!   legacy stream and destroyed streams still draining included), as the
+//!   driver's `cuMemFree` synchronises; work captured into a graph and not
+//!   launched is not queued and is not waited for. Driver work that still
+//!   finds its memory gone when it runs (it ran on another device, or the
+//!   memory is pinned host memory) sets its device's sticky
+//!   `CUDA_ERROR_ILLEGAL_ADDRESS`.
 //! - The bytes in use per device are the sum of its live allocations.
 
 use std::alloc::Layout;
@@ -35,10 +48,80 @@ struct Registry {
     used: BTreeMap<i32, usize>,
 }
 
+impl Registry {
+    /// The live allocation containing `ptr`: (start, len, device).
+    fn find(&self, ptr: u64) -> Option<(u64, usize, Option<i32>)> {
+        let (&start, a) = self.map.range(..=ptr).next_back()?;
+        (ptr - start < a.len as u64).then_some((start, a.len, a.device))
+    }
+
+    /// Whether `s` lies inside one live allocation.
+    fn holds(&self, s: &Span) -> bool {
+        if s.len == 0 {
+            return true;
+        }
+        match self.find(s.ptr) {
+            Some((start, alen, dev)) => {
+                (!s.device_only || dev.is_some())
+                    && (s.ptr - start)
+                        .checked_add(s.len as u64)
+                        .is_some_and(|end| end <= alen as u64)
+            }
+            None => false,
+        }
+    }
+}
+
 static REG: RwLock<Registry> = RwLock::new(Registry {
     map: BTreeMap::new(),
     used: BTreeMap::new(),
 });
+
+/// A range of registered memory that work touches.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Span {
+    /// The first byte.
+    pub(crate) ptr: u64,
+    /// The length in bytes (an empty span always holds).
+    pub(crate) len: usize,
+    /// The range must be device memory (not pinned host memory).
+    pub(crate) device_only: bool,
+}
+
+impl Span {
+    /// A span of device memory.
+    pub(crate) fn device(ptr: u64, len: usize) -> Self {
+        Span {
+            ptr,
+            len,
+            device_only: true,
+        }
+    }
+
+    /// A span of device or pinned host memory.
+    pub(crate) fn any(ptr: u64, len: usize) -> Self {
+        Span {
+            ptr,
+            len,
+            device_only: false,
+        }
+    }
+}
+
+/// Runs `f` if every span lies inside a live allocation, holding the
+/// registry's read lock until `f` returns, so no free can release them
+/// meanwhile; `None` (and `f` does not run) otherwise. `f` must not call
+/// into the registry (allocate, free, look up): the lock is fair and not
+/// re-entrant.
+pub(crate) fn access<R>(spans: &[Span], f: impl FnOnce() -> R) -> Option<R> {
+    let reg = REG.read();
+    if !spans.iter().all(|s| reg.holds(s)) {
+        return None;
+    }
+    let r = f();
+    drop(reg);
+    Some(r)
+}
 
 /// Allocates `len` bytes on `device` (or pinned host memory for `None`).
 pub(crate) fn alloc(device: Option<i32>, len: usize) -> Result<u64, CUresult> {
@@ -71,10 +154,23 @@ pub(crate) fn alloc(device: Option<i32>, len: usize) -> Result<u64, CUresult> {
 
 /// Frees the allocation that starts at `ptr`, if it is of the given kind
 /// (device memory when `device` is true, pinned host memory otherwise).
+/// Device memory is freed once the work queued on its device before the
+/// call has run (which never happens under a kernel that never ends, as
+/// with the driver); a device with a sticky error refuses with it.
 pub(crate) fn free(ptr: u64, device: bool) -> Result<(), CUresult> {
+    let kind = REG.read().map.get(&ptr).map(|a| a.device);
+    let dev = match kind {
+        Some(d) if d.is_some() == device => d,
+        _ => return Err(CUresult::CUDA_ERROR_INVALID_VALUE),
+    };
+    if let Some(d) = dev {
+        driver::sticky(d)?;
+        stream::quiesce(d);
+    }
     let mut reg = REG.write();
     match reg.map.get(&ptr) {
         Some(a) if a.device.is_some() == device => {}
+        // Freed by another thread meanwhile.
         _ => return Err(CUresult::CUDA_ERROR_INVALID_VALUE),
     }
     let a = reg
@@ -86,36 +182,29 @@ pub(crate) fn free(ptr: u64, device: bool) -> Result<(), CUresult> {
     {
         *u = u.saturating_sub(a.len);
     }
-    drop(reg);
     let layout = Layout::from_size_align(a.len, ALIGN).map_err(|_| CUresult::CUDA_ERROR_UNKNOWN)?;
     // SAFETY: `ptr` was allocated by `alloc` with this layout and has just
-    // been removed from the registry, so it is freed exactly once.
+    // been removed from the registry, so it is freed exactly once; the write
+    // lock is still held, so no `access` is touching it.
     unsafe { std::alloc::dealloc(ptr as usize as *mut u8, layout) };
+    drop(reg);
     Ok(())
 }
 
 /// The live allocation containing `ptr`: (start, len, device).
 pub(crate) fn find(ptr: u64) -> Option<(u64, usize, Option<i32>)> {
-    let reg = REG.read();
-    let (&start, a) = reg.map.range(..=ptr).next_back()?;
-    (ptr - start < a.len as u64).then_some((start, a.len, a.device))
+    REG.read().find(ptr)
 }
 
 /// Whether `[ptr, ptr + len)` lies inside one live allocation (of device
-/// memory when `device_only`). An empty range is always fine.
+/// memory when `device_only`). An empty range is always fine. A check
+/// only: work that touches the range later goes through [`access`].
 pub(crate) fn range_ok(ptr: u64, len: usize, device_only: bool) -> bool {
-    if len == 0 {
-        return true;
-    }
-    match find(ptr) {
-        Some((start, alen, dev)) => {
-            (!device_only || dev.is_some())
-                && (ptr - start)
-                    .checked_add(len as u64)
-                    .is_some_and(|end| end <= alen as u64)
-        }
-        None => false,
-    }
+    REG.read().holds(&Span {
+        ptr,
+        len,
+        device_only,
+    })
 }
 
 /// Bytes allocated on `device`.
@@ -138,6 +227,8 @@ pub(crate) unsafe fn copy(dst: u64, src: u64, len: usize) {
 
 /// A copy between host and device: validates device ranges now, and
 /// enqueues the copy on `stream` (or copies now when `stream` is `None`).
+/// Registered ranges (device memory, and pinned host memory) are checked
+/// again when the copy runs, atomically with the copy.
 fn memcpy(
     dst: u64,
     src: u64,
@@ -157,16 +248,34 @@ fn memcpy(
         if dst == 0 || src == 0 {
             return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
         }
+        // Device memory, or pinned host memory: in the registry, checked
+        // when touched. Pageable host memory is the caller's.
+        let dst_reg = dst_dev || range_ok(dst, len, false);
+        let src_reg = src_dev || range_ok(src, len, false);
+        let spans = move |from_staged: bool| {
+            let mut v = Vec::with_capacity(2);
+            if dst_reg {
+                v.push(Span::any(dst, len));
+            }
+            if src_reg && !from_staged {
+                v.push(Span::any(src, len));
+            }
+            v
+        };
         let Some(stream) = stream else {
-            // SAFETY: device ranges are live allocations; host ranges are the
-            // caller's (the C function's contract).
-            unsafe { copy(dst, src, len) };
-            return Ok(());
+            driver::current_sticky()?;
+            // SAFETY: registered ranges are live for the whole copy (checked
+            // under the registry lock `access` holds); pageable host ranges
+            // are the caller's (the C function's contract).
+            return access(&spans(false), || unsafe { copy(dst, src, len) })
+                .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE);
         };
         let target = stream::resolve(stream, None)?;
+        let dev = target.stream.device();
+        driver::sticky(dev)?;
         // A pageable host source is staged at launch, as CUDA does; a pinned
         // one is read when the copy runs.
-        let staged = !src_dev && !range_ok(src, len, false);
+        let staged = !src_reg;
         let l: Launcher = Arc::new(move || {
             let data: Option<Vec<u8>> = staged.then(|| {
                 let mut v = vec![0u8; len];
@@ -176,27 +285,42 @@ fn memcpy(
                 v
             });
             Box::new(move || {
-                let from = data.as_ref().map_or(src, |v| v.as_ptr() as usize as u64);
-                if (dst_dev && !range_ok(dst, len, false))
-                    || (src_dev && !range_ok(src, len, false))
-                {
-                    tracing::error!(dst, src, len, "emulated copy on freed memory skipped");
+                if driver::sticky(dev).is_err() {
                     return;
                 }
-                // SAFETY: device ranges were just checked live; host ranges
-                // are kept valid by the caller until the stream reaches the
-                // copy (CUDA's contract for asynchronous copies).
-                unsafe { copy(dst, from, len) };
+                let from = data.as_ref().map_or(src, |v| v.as_ptr() as usize as u64);
+                // SAFETY: registered ranges are live for the whole copy
+                // (checked under the lock `access` holds); a staged source
+                // is `data`; pageable host ranges are kept valid by the
+                // caller until the stream reaches the copy (CUDA's contract
+                // for asynchronous copies).
+                let done = access(&spans(staged), || unsafe { copy(dst, from, len) });
+                if done.is_none() {
+                    illegal_address(dev, "copy", dst, len);
+                }
             })
         });
-        let pageable_dst = !dst_dev && !range_ok(dst, len, false);
+        let pageable_dst = !dst_reg;
         stream::submit(&target, l)?;
         if pageable_dst && !target.stream.capturing() {
             // A copy to pageable memory returns once done, as in CUDA.
             target.stream.wait_idle()?;
+            driver::sticky(dev)?;
         }
         Ok(())
     })())
+}
+
+/// Driver work on `dev` found its memory gone when it ran: the context's
+/// sticky illegal-address error, as a GPU reports a fault.
+pub(crate) fn illegal_address(dev: i32, what: &str, ptr: u64, len: usize) {
+    tracing::error!(
+        device = dev,
+        ptr,
+        len,
+        "emulated {what} touched memory that is not allocated: CUDA_ERROR_ILLEGAL_ADDRESS"
+    );
+    driver::set_sticky(dev, CUresult::CUDA_ERROR_ILLEGAL_ADDRESS);
 }
 
 fn memset(dst: u64, pattern: Vec<u8>, n: usize, stream: Option<CUstream>) -> CUresult {
@@ -210,37 +334,44 @@ fn memset(dst: u64, pattern: Vec<u8>, n: usize, stream: Option<CUstream>) -> CUr
         if !range_ok(dst, len, false) || !dst.is_multiple_of(w as u64) {
             return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
         }
-        let run = move || {
-            if !range_ok(dst, len, false) {
-                tracing::error!(dst, len, "emulated memset on freed memory skipped");
-                return;
-            }
+        let fill = move || {
             if let [b] = pattern[..] {
-                // SAFETY: `[dst, dst + n)` is a live allocation (checked just
-                // above).
+                // SAFETY: `[dst, dst + n)` is a live allocation for the whole
+                // call (the caller holds it through `access`).
                 unsafe { std::ptr::write_bytes(dst as usize as *mut u8, b, n) };
                 return;
             }
-            // SAFETY: `[dst, dst + n * w)` is a live allocation (checked just
-            // above) and nothing else holds a reference into it.
+            // SAFETY: `[dst, dst + n * w)` is a live allocation for the whole
+            // call (the caller holds it through `access`) and nothing else
+            // holds a reference into it.
             let out = unsafe { std::slice::from_raw_parts_mut(dst as usize as *mut u8, len) };
             for chunk in out.chunks_exact_mut(w) {
                 chunk.copy_from_slice(&pattern);
             }
         };
+        let span = [Span::any(dst, len)];
         match stream {
             None => {
-                run();
-                Ok(())
+                driver::current_sticky()?;
+                access(&span, fill).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)
             }
             Some(s) => {
                 let target = stream::resolve(s, None)?;
-                let run = Arc::new(run);
+                let dev = target.stream.device();
+                driver::sticky(dev)?;
+                let fill = Arc::new(fill);
                 stream::submit(
                     &target,
                     Arc::new(move || {
-                        let r = run.clone();
-                        Box::new(move || r())
+                        let fill = fill.clone();
+                        Box::new(move || {
+                            if driver::sticky(dev).is_err() {
+                                return;
+                            }
+                            if access(&span, || fill()).is_none() {
+                                illegal_address(dev, "memset", dst, len);
+                            }
+                        })
                     }),
                 )
             }
@@ -285,6 +416,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) 
             if dptr.is_null() {
                 return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
             }
+            driver::sticky(dev)?;
             let p = alloc(Some(dev), bytesize)?;
             // SAFETY: `dptr` is non-null and valid (this function's contract).
             unsafe { put(dptr, p) };
@@ -293,8 +425,10 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) 
     })
 }
 
-/// `cuMemFree_v2`: frees device memory; an unknown pointer is
-/// `CUDA_ERROR_INVALID_VALUE`.
+/// `cuMemFree_v2`: frees device memory once the work queued on its device
+/// before the call has run (the driver's implicit synchronisation); an
+/// unknown pointer is `CUDA_ERROR_INVALID_VALUE`, a device with a sticky
+/// error returns it.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     guard(CUresult::CUDA_ERROR_UNKNOWN, || {
@@ -323,7 +457,8 @@ pub unsafe extern "C" fn cuMemAllocHost_v2(pp: *mut *mut c_void, bytesize: usize
     })
 }
 
-/// `cuMemFreeHost`: frees pinned host memory.
+/// `cuMemFreeHost`: frees pinned host memory at once (queued copies that
+/// still use it find it gone when they run: a sticky illegal address).
 ///
 /// # Safety
 /// None beyond the C API's: `p` is only compared with the registry.

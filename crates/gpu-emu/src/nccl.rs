@@ -28,6 +28,22 @@
 //!   meanwhile is `ncclInvalidUsage`. Abort drops the pending work.
 //! - A launched operation counts as in flight until its work runs or is
 //!   dropped.
+//! - A communicator's launches run in issue order across every stream, as
+//!   NCCL's strong stream orders them: a launch (an operation outside a
+//!   group, the communicator's part of a group, or its captured operations
+//!   at each graph launch) takes the next ticket of the communicator's
+//!   [`Chain`] when it is launched, and its work, on whatever stream, first
+//!   waits until every earlier ticket is done, so the stream waits too.
+//!   Children split from a `splitShare` communicator share its chain. A
+//!   ticket is done when its work has run or been dropped (abort drops
+//!   pending work; work of an aborted communicator waiting for its turn
+//!   ends unrun), so an abort never leaves the chain blocked.
+//! - An operation touches its buffers only when it runs, through
+//!   `memory::access`, which holds them live from the check to the last
+//!   byte: a buffer not allocated then (freed meanwhile) is the
+//!   communicator's asynchronous `ncclUnhandledCudaError` ("illegal memory
+//!   access") and nothing of that operation is written. An operation that
+//!   runs on a device with a sticky CUDA error fails the same way, unrun.
 //! - `ncclCommDestroy` returns only once no other communicator has work in
 //!   flight on a device of this communicator's peers (NCCL's teardown
 //!   unmaps buffers the peers' devices map, which waits for them), or once
@@ -50,7 +66,7 @@ use nccl_sys::{
 use parking_lot::{Condvar, Mutex};
 
 use crate::fault::{self, Fault};
-use crate::memory::{self, range_ok};
+use crate::memory::{self, Span, range_ok};
 use crate::stream::{self, Launcher, Target, Work};
 use crate::{Table, driver, guard, id_to_ptr, new_id, ptr_to_id, put};
 
@@ -523,15 +539,36 @@ fn illegal() -> CollErr {
     )
 }
 
+/// A copy of `[p, p + len)`, read while the range is held live.
 fn read(p: u64, len: usize) -> Result<Vec<u8>, CollErr> {
-    if !range_ok(p, len, true) {
-        return Err(illegal());
-    }
     let mut v = vec![0u8; len];
-    // SAFETY: `[p, p + len)` is a live device allocation (checked above) and
-    // `v` holds `len` bytes.
-    unsafe { memory::copy(v.as_mut_ptr() as usize as u64, p, len) };
+    let to = v.as_mut_ptr() as usize as u64;
+    // SAFETY: `[p, p + len)` is a live device allocation for the whole copy
+    // (`access` holds the registry until it returns) and `v` holds `len`
+    // bytes.
+    memory::access(&[Span::device(p, len)], || unsafe {
+        memory::copy(to, p, len)
+    })
+    .ok_or_else(illegal)?;
     Ok(v)
+}
+
+/// Writes every `(destination, bytes)` pair, all or none: only if every
+/// destination is live, held live until the last byte is written.
+fn write_all(writes: &[(u64, Vec<u8>)]) -> Result<(), CollErr> {
+    let spans: Vec<Span> = writes
+        .iter()
+        .map(|(p, v)| Span::device(*p, v.len()))
+        .collect();
+    memory::access(&spans, || {
+        for (p, v) in writes {
+            // SAFETY: every destination is a live device allocation for the
+            // whole loop (`access` holds the registry) and `v` holds the
+            // bytes to copy.
+            unsafe { memory::copy(*p, v.as_ptr() as usize as u64, v.len()) };
+        }
+    })
+    .ok_or_else(illegal)
 }
 
 /// Computes a collective from every rank's descriptor and writes outputs.
@@ -611,15 +648,7 @@ fn compute(descs: &[Desc]) -> Result<(), CollErr> {
             }
         }
     }
-    if writes.iter().any(|(p, v)| !range_ok(*p, v.len(), true)) {
-        return Err(illegal());
-    }
-    for (p, v) in writes {
-        // SAFETY: every destination range is a live device allocation
-        // (checked above) and `v` holds the bytes to copy.
-        unsafe { memory::copy(p, v.as_ptr() as usize as u64, v.len()) };
-    }
-    Ok(())
+    write_all(&writes)
 }
 
 // ---------------------------------------------------------------- comms
@@ -638,11 +667,122 @@ struct CommSt {
     wins: BTreeSet<u64>,
 }
 
+/// A communicator's strong stream, NCCL's `sharedRes->deviceStream`:
+/// every launch of the communicator (an operation outside a group, or the
+/// communicator's part of a group, eager or replayed from a graph) takes
+/// the next ticket when it is launched, and its work, on whatever stream,
+/// first waits until every earlier ticket is done. NCCL 2.28.3 makes the
+/// launch stream wait on the strong stream before each kernel and advances
+/// the strong stream to the kernel's completion after it (`src/enqueue.cc`,
+/// `ncclLaunchPrepare` and `ncclLaunchFinish`), so a communicator's work
+/// runs in issue order across streams. Communicators split with
+/// `splitShare` share their parent's chain (`commAlloc` in `src/init.cc`
+/// reuses `parent->sharedRes`).
+struct Chain {
+    st: Mutex<ChainSt>,
+    cv: Condvar,
+}
+
+struct ChainSt {
+    /// The next ticket to hand out.
+    next: u64,
+    /// Every ticket below this one is done.
+    done_below: u64,
+    /// Tickets at or above `done_below` that are done (out of order: one
+    /// dropped by an abort before an earlier one ran).
+    done: BTreeSet<u64>,
+}
+
+impl Chain {
+    fn new() -> Arc<Chain> {
+        Arc::new(Chain {
+            st: Mutex::new(ChainSt {
+                next: 0,
+                done_below: 0,
+                done: BTreeSet::new(),
+            }),
+            cv: Condvar::new(),
+        })
+    }
+
+    /// The next place in the chain; it is done when the ticket is dropped.
+    fn take(self: &Arc<Self>) -> Arc<Ticket> {
+        let mut st = self.st.lock();
+        let n = st.next;
+        st.next += 1;
+        Arc::new(Ticket {
+            chain: self.clone(),
+            n,
+        })
+    }
+
+    fn complete(&self, n: u64) {
+        let mut st = self.st.lock();
+        st.done.insert(n);
+        loop {
+            let next = st.done_below;
+            if !st.done.remove(&next) {
+                break;
+            }
+            st.done_below += 1;
+        }
+        self.cv.notify_all();
+    }
+
+    fn wake(&self) {
+        let _st = self.st.lock();
+        self.cv.notify_all();
+    }
+}
+
+/// A launch's place in its communicator's chain, shared by the launch's
+/// work items; done (and the chain advances) when the last is dropped,
+/// whether it ran or was dropped unrun.
+struct Ticket {
+    chain: Arc<Chain>,
+    n: u64,
+}
+
+impl Ticket {
+    /// Waits until every earlier launch on the chain is done; false when
+    /// `comm` is aborted first.
+    fn wait_turn(&self, comm: &Comm) -> bool {
+        let mut st = self.chain.st.lock();
+        while st.done_below < self.n {
+            if comm.aborted() {
+                return false;
+            }
+            self.chain.cv.wait_for(&mut st, TICK);
+        }
+        true
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.chain.complete(self.n);
+    }
+}
+
+/// The parts of an `ncclConfig_t` the emulator uses.
+#[derive(Debug, Clone, Copy)]
+struct Cfg {
+    blocking: bool,
+    /// `splitShare`: children split from this communicator share its
+    /// resources (its strong stream among them).
+    split_share: bool,
+}
+
 /// One rank's communicator.
 struct Comm {
     id: u64,
     device: i32,
     blocking: bool,
+    /// Children split from it share its chain (`config.splitShare`).
+    split_share: bool,
+    /// Its strong stream; shared with the parent when split with
+    /// `splitShare`.
+    chain: Arc<Chain>,
     /// Never joined (`nojoin` fault): its operations block until abort.
     ghost: bool,
     aborted: AtomicBool,
@@ -661,11 +801,20 @@ struct Comm {
 }
 
 impl Comm {
-    fn new(device: i32, blocking: bool, ghost: bool, rank: i32, nranks: i32) -> Arc<Comm> {
+    fn new(
+        device: i32,
+        cfg: Cfg,
+        chain: Arc<Chain>,
+        ghost: bool,
+        rank: i32,
+        nranks: i32,
+    ) -> Arc<Comm> {
         Arc::new(Comm {
             id: new_id(),
             device,
-            blocking,
+            blocking: cfg.blocking,
+            split_share: cfg.split_share,
+            chain,
             ghost,
             aborted: AtomicBool::new(false),
             dead: AtomicBool::new(false),
@@ -874,11 +1023,19 @@ fn unjoin(comm: &Arc<Comm>) {
     });
 }
 
-/// Whether the init is blocking, from an optional config.
+/// `NCCL_COMM_SPLIT_SHARE_RESOURCES`, which overrides every config's
+/// `splitShare` when set (`parseCommConfig` in NCCL's `src/init.cc`).
+fn split_share_env() -> Option<bool> {
+    let v = std::env::var("NCCL_COMM_SPLIT_SHARE_RESOURCES").ok()?;
+    v.trim().parse::<i32>().ok().map(|n| n == 1)
+}
+
+/// The config's blocking mode and `splitShare`, from an optional config;
+/// `default` for a null one (a split's null config copies the parent's).
 ///
 /// # Safety
 /// `cfg` is null or points to a config of at least `cfg.size` bytes.
-unsafe fn parse_config(cfg: *const ncclConfig_t, default: bool) -> R<bool> {
+unsafe fn parse_config(cfg: *const ncclConfig_t, default: Cfg) -> R<Cfg> {
     if cfg.is_null() {
         return Ok(default);
     }
@@ -899,7 +1056,30 @@ unsafe fn parse_config(cfg: *const ncclConfig_t, default: bool) -> R<bool> {
     }
     // SAFETY: the config holds at least 20 bytes, so `blocking` is present.
     let b = unsafe { (*cfg).blocking };
-    Ok(b == i32::MIN || b != 0)
+    let share_end = std::mem::offset_of!(ncclConfig_t, splitShare) + size_of::<c_int>();
+    let share = if size >= share_end {
+        // SAFETY: the config holds `size` bytes, past `splitShare`.
+        unsafe { (*cfg).splitShare }
+    } else {
+        i32::MIN
+    };
+    Ok(Cfg {
+        blocking: b == i32::MIN || b != 0,
+        split_share: split_share_env().unwrap_or(share == 1),
+    })
+}
+
+/// The config of a communicator made by an init call.
+///
+/// # Safety
+/// As [`parse_config`].
+unsafe fn init_config(cfg: *const ncclConfig_t) -> R<Cfg> {
+    let default = Cfg {
+        blocking: true,
+        split_share: split_share_env().unwrap_or(false),
+    };
+    // SAFETY: forwarded from this function's contract.
+    unsafe { parse_config(cfg, default) }
 }
 
 // ---------------------------------------------------------------- groups
@@ -1002,33 +1182,50 @@ fn group_end() -> R<ncclResult_t> {
         .iter()
         .any(|(t, v)| !t.stream.capturing() && v.iter().any(|it| !it.comm.blocking));
     let mut result = ncclResult_t::ncclSuccess;
+    // The group is one launch per communicator: its items on every stream
+    // share one ticket of the communicator's chain (one per chain, see
+    // `Tickets`). Work recorded on a capturing stream takes its tickets at
+    // each graph launch instead.
+    let mut tickets = Tickets::default();
+    let recorded = |t: &Target, v: Vec<GroupItem>| {
+        let items = v.into_iter().map(|it| (it.comm, it.body)).collect();
+        stream::enqueue(t, group_launcher(items));
+    };
     if deferred {
         let mut job = Job::default();
         for (t, v) in per {
             if t.stream.capturing() {
-                let ls: Vec<Launcher> =
-                    v.into_iter().map(|it| launcher(it.comm, it.body)).collect();
-                stream::enqueue(&t, combine_launchers(ls));
+                recorded(&t, v);
                 continue;
             }
             let mut works = Vec::with_capacity(v.len());
             for it in v {
-                let (w, need) = launch(&it.comm, &it.body);
+                let (w, need) = launch(&it.comm, &it.body, tickets.of(&it.comm));
                 job.add_comm(&it.comm, need);
                 works.push((it.comm, w));
             }
             job.items.push((t, works));
         }
+        drop(tickets);
         defer(job);
         result = ncclResult_t::ncclInProgress;
     } else {
         let mut waits = Vec::new();
         for (t, v) in per {
-            let ls: Vec<Launcher> = v.into_iter().map(|it| launcher(it.comm, it.body)).collect();
-            if stream::enqueue(&t, combine_launchers(ls)) && t.sync {
+            if t.stream.capturing() {
+                recorded(&t, v);
+                continue;
+            }
+            let works = v
+                .iter()
+                .map(|it| launch(&it.comm, &it.body, tickets.of(&it.comm)).0)
+                .collect();
+            stream::push_launched(&t, sequence(works));
+            if t.sync {
                 waits.push(t.stream);
             }
         }
+        drop(tickets);
         for s in waits {
             s.wait_idle().map_err(|e| {
                 err(
@@ -1066,21 +1263,53 @@ enum Body {
     },
 }
 
-/// One launcher running `ls` in order as one task.
-fn combine_launchers(ls: Vec<Launcher>) -> Launcher {
-    Arc::new(move || {
-        let works: Vec<Work> = ls.iter().map(|l| l()).collect();
-        Box::new(move || {
-            for w in works {
-                w();
-            }
-        })
+/// The tickets of one group launch, one per chain: communicators that
+/// share a chain (a `splitShare` family) share the group's ticket, so the
+/// group's items, which run in one task per stream with sends first, never
+/// wait for one another through the chain. (NCCL launches such
+/// communicators' kernels one after another; in one task that order
+/// would make a send wait for a recv queued behind it.)
+#[derive(Default)]
+struct Tickets(Vec<Arc<Ticket>>);
+
+impl Tickets {
+    /// The ticket of `comm`'s chain in this launch, taken at its first use.
+    fn of(&mut self, comm: &Arc<Comm>) -> Arc<Ticket> {
+        if let Some(t) = self.0.iter().find(|t| Arc::ptr_eq(&t.chain, &comm.chain)) {
+            return t.clone();
+        }
+        let t = comm.chain.take();
+        self.0.push(t.clone());
+        t
+    }
+}
+
+/// Work items run in order as one task.
+fn sequence(works: Vec<Work>) -> Work {
+    Box::new(move || {
+        for w in works {
+            w();
+        }
     })
 }
 
-/// A launcher of `body` for the stream (immediate launch or capture).
+/// A launcher of `body` for the stream (immediate launch or capture): each
+/// launch takes the next ticket of the communicator's chain.
 fn launcher(comm: Arc<Comm>, body: Arc<Body>) -> Launcher {
-    Arc::new(move || launch(&comm, &body).0)
+    Arc::new(move || launch(&comm, &body, comm.chain.take()).0)
+}
+
+/// A launcher of a group's items on one capturing stream: each launch (each
+/// graph launch) takes one ticket per chain for all its items.
+fn group_launcher(items: Vec<(Arc<Comm>, Arc<Body>)>) -> Launcher {
+    Arc::new(move || {
+        let mut tickets = Tickets::default();
+        let works = items
+            .iter()
+            .map(|(c, b)| launch(c, b, tickets.of(c)).0)
+            .collect();
+        sequence(works)
+    })
 }
 
 /// What a non-blocking communicator's first operation waits for before it
@@ -1108,11 +1337,13 @@ impl Need {
     }
 }
 
-/// Launches `body` now: takes its sequence number, registers the launch
-/// with the world (for lazy connection), takes its fault, counts it in
-/// flight until its work runs or is dropped, and returns the work with what
-/// a first operation waits for.
-fn launch(comm: &Arc<Comm>, body: &Arc<Body>) -> (Work, Need) {
+/// Launches `body` now as part of the launch holding `ticket`: takes its
+/// sequence number, registers the launch with the world (for lazy
+/// connection), takes its fault, counts it in flight until its work runs or
+/// is dropped, and returns the work with what a first operation waits for.
+/// The work first waits for its turn on the communicator's chain; aborted
+/// meanwhile, it ends without touching memory.
+fn launch(comm: &Arc<Comm>, body: &Arc<Body>, ticket: Arc<Ticket>) -> (Work, Need) {
     let seq = match **body {
         Body::Coll(_) => comm.seq.fetch_add(1, Ordering::AcqRel) + 1,
         _ => 0,
@@ -1162,7 +1393,10 @@ fn launch(comm: &Arc<Comm>, body: &Arc<Body>) -> (Work, Need) {
     let body = body.clone();
     let work: Work = Box::new(move || {
         let _g = g;
-        run(&comm, seq, f, &body);
+        if ticket.wait_turn(&comm) {
+            run(&comm, seq, f, &body);
+        }
+        drop(ticket);
     });
     (work, need)
 }
@@ -1237,14 +1471,7 @@ fn defer(job: Job) {
                     .map(|(_, w)| w)
                     .collect();
                 if !works.is_empty() {
-                    stream::push_launched(
-                        &t,
-                        Box::new(move || {
-                            for w in works {
-                                w();
-                            }
-                        }),
-                    );
+                    stream::push_launched(&t, sequence(works));
                 }
             }
             finish(&job.comms);
@@ -1264,6 +1491,15 @@ fn defer(job: Job) {
 fn run(comm: &Arc<Comm>, seq: u64, f: Option<Fault>, body: &Body) {
     if matches!(f, Some(Fault::Hang | Fault::Die)) {
         comm.wait_aborted();
+        return;
+    }
+    if driver::sticky(comm.device).is_err() {
+        // The context is broken: NCCL's kernel cannot run, and NCCL reports
+        // the CUDA error; the peers wait for this rank, as on GPUs.
+        comm.set_async(
+            ncclResult_t::ncclUnhandledCudaError,
+            "the device has a sticky CUDA error (work touched memory that is not allocated)",
+        );
         return;
     }
     let (rank, world) = {
@@ -1388,13 +1624,7 @@ fn run_recv(
             ),
         )));
     }
-    if !range_ok(buf, m.data.len(), true) {
-        return Some(Err(illegal()));
-    }
-    // SAFETY: the receive buffer is a live device allocation of at least
-    // `m.data.len()` bytes (checked above).
-    unsafe { memory::copy(buf, m.data.as_ptr() as usize as u64, m.data.len()) };
-    Some(Ok(()))
+    Some(write_all(&[(buf, m.data)]))
 }
 
 /// Launches (or groups) an operation of `comm` on `stream`. A
@@ -1421,7 +1651,7 @@ fn submit_op(comm: &Arc<Comm>, stream: cudaStream_t, is_send: bool, body: Body) 
     }
     comm.enqueue_call()?;
     if !comm.blocking && !target.stream.capturing() {
-        let (w, need) = launch(comm, &body);
+        let (w, need) = launch(comm, &body, comm.chain.take());
         let mut job = Job::default();
         job.add_comm(comm, need);
         job.items.push((target, vec![(comm.clone(), w)]));
@@ -1610,7 +1840,8 @@ unsafe fn init_rank(
         return fail(ncclResult_t::ncclInvalidArgument, "comm is NULL");
     }
     // SAFETY: `cfg` is null or a valid config (this function's contract).
-    let blocking = unsafe { parse_config(cfg, true) }?;
+    let cfg = unsafe { init_config(cfg) }?;
+    let blocking = cfg.blocking;
     if nranks < 1 {
         return fail(
             ncclResult_t::ncclInvalidArgument,
@@ -1629,7 +1860,7 @@ unsafe fn init_rank(
     }
     let ghost = f == Some(Fault::NoJoin);
     let device = driver::current_device().unwrap_or(0);
-    let comm = Comm::new(device, blocking, ghost, rank, nranks);
+    let comm = Comm::new(device, cfg, Chain::new(), ghost, rank, nranks);
     if !ghost {
         join(key_of(id), nranks, rank, &comm)?;
     }
@@ -1726,7 +1957,9 @@ pub unsafe extern "C" fn ncclCommInitAll(
         let mut key = [0u8; 128];
         rand::rng().fill(&mut key[..]);
         for (i, d) in devs.into_iter().enumerate() {
-            let c = Comm::new(d, true, false, i as c_int, ndev);
+            // SAFETY: a null config.
+            let cfg = unsafe { init_config(std::ptr::null()) }?;
+            let c = Comm::new(d, cfg, Chain::new(), false, i as c_int, ndev);
             join(key, ndev, i as c_int, &c)?;
             COMMS.insert_at(c.id, c.clone());
             // SAFETY: `comms` holds `ndev` slots (this function's contract).
@@ -1764,8 +1997,21 @@ pub unsafe extern "C" fn ncclCommSplit(
             if newcomm.is_null() {
                 return fail(ncclResult_t::ncclInvalidArgument, "newcomm is NULL");
             }
+            let inherited = Cfg {
+                blocking: parent.blocking,
+                split_share: parent.split_share,
+            };
             // SAFETY: `config` is null or valid (this function's contract).
-            let blocking = unsafe { parse_config(config, parent.blocking) }?;
+            let cfg = unsafe { parse_config(config, inherited) }?;
+            let blocking = cfg.blocking;
+            // The parent's `splitShare` decides (`comm->shareResources` in
+            // NCCL's `ncclCommSplit`): the child uses the parent's strong
+            // stream, so their work is ordered as one communicator's.
+            let chain = if parent.split_share {
+                parent.chain.clone()
+            } else {
+                Chain::new()
+            };
             if color < 0 && color != NCCL_SPLIT_NOCOLOR {
                 return fail(
                     ncclResult_t::ncclInvalidArgument,
@@ -1773,7 +2019,7 @@ pub unsafe extern "C" fn ncclCommSplit(
                 );
             }
             let child = (color != NCCL_SPLIT_NOCOLOR)
-                .then(|| Comm::new(parent.device, blocking, false, -1, -1));
+                .then(|| Comm::new(parent.device, cfg, chain, false, -1, -1));
             let h = child.as_ref().map_or(std::ptr::null_mut(), |c| c.handle());
             if let Some(c) = &child {
                 COMMS.insert_at(c.id, c.clone());
@@ -1995,6 +2241,8 @@ pub extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
         COMMS.remove(c.id);
         ABORTED.lock().insert(c.id);
         c.aborted.store(true, Ordering::Release);
+        // Its work waiting for a turn on the chain ends now, unrun.
+        c.chain.wake();
         for child in c.splitting.lock().drain(..) {
             child.aborted.store(true, Ordering::Release);
             let _st = child.st.lock();
@@ -2216,7 +2464,10 @@ pub unsafe extern "C" fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize) -> ncc
     })
 }
 
-/// `ncclMemFree`: an unknown pointer is `ncclInvalidArgument`.
+/// `ncclMemFree`: frees as `cuMemFree` does (NCCL's `cudaFree` or cuMem
+/// unmap on the pointer's device), once the work queued on that device
+/// before the call has run; an unknown pointer is `ncclInvalidArgument`, a
+/// device with a sticky CUDA error `ncclUnhandledCudaError`.
 ///
 /// # Safety
 /// None: `ptr` is only compared with the registry.
@@ -2226,11 +2477,18 @@ pub unsafe extern "C" fn ncclMemFree(ptr: *mut c_void) -> ncclResult_t {
         if ptr.is_null() {
             return Ok(ncclResult_t::ncclSuccess);
         }
-        memory::free(ptr as usize as u64, true).map_err(|_| {
-            err(
-                ncclResult_t::ncclInvalidArgument,
-                format!("{ptr:p} was not allocated by ncclMemAlloc"),
-            )
+        memory::free(ptr as usize as u64, true).map_err(|e| {
+            if e == cuda_sys::CUresult::CUDA_ERROR_INVALID_VALUE {
+                err(
+                    ncclResult_t::ncclInvalidArgument,
+                    format!("{ptr:p} was not allocated by ncclMemAlloc"),
+                )
+            } else {
+                err(
+                    ncclResult_t::ncclUnhandledCudaError,
+                    format!("freeing {ptr:p} failed (CUDA error {})", e.0),
+                )
+            }
         })?;
         Ok(ncclResult_t::ncclSuccess)
     })

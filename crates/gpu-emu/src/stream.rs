@@ -10,7 +10,11 @@
 //! - A capturing stream records launchers and runs nothing.
 //! - The NULL / legacy / per-thread handles are one legacy stream per device,
 //!   and every submission to it is waited for before the call returns.
-//! - A destroyed stream drains its queue, then its worker exits.
+//! - A destroyed stream drains its queue, then its worker exits; until then
+//!   it stays in the list of running streams, so a device-wide wait
+//!   ([`quiesce`], `cuCtxSynchronize`) still waits for it.
+//! - Synchronise and query calls report the device's sticky error once the
+//!   work they wait for has run (or at once, for queries).
 
 use std::collections::VecDeque;
 use std::ffi::c_uint;
@@ -23,7 +27,7 @@ use cuda_sys::{
 };
 use parking_lot::{Condvar, Mutex};
 
-use crate::driver::{check_init, code, current_device};
+use crate::driver::{self, check_init, code, current_device};
 use crate::{Table, guard, id_to_ptr, ptr_to_id, put};
 
 /// One execution of enqueued work.
@@ -49,6 +53,11 @@ pub(crate) struct Stream {
 }
 
 impl Stream {
+    /// The stream's device.
+    pub(crate) fn device(&self) -> i32 {
+        self.device
+    }
+
     fn spawn(device: i32) -> Result<Arc<Stream>, CUresult> {
         let s = Arc::new(Stream {
             device,
@@ -62,10 +71,17 @@ impl Stream {
             cv: Condvar::new(),
         });
         let w = s.clone();
-        std::thread::Builder::new()
+        RUNNING.lock().push(s.clone());
+        let spawned = std::thread::Builder::new()
             .name(format!("emu-stream-d{device}"))
-            .spawn(move || w.worker())
-            .map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
+            .spawn(move || {
+                w.worker();
+                RUNNING.lock().retain(|r| !Arc::ptr_eq(r, &w));
+            });
+        if spawned.is_err() {
+            RUNNING.lock().retain(|r| !Arc::ptr_eq(r, &s));
+            return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+        }
         Ok(s)
     }
 
@@ -122,6 +138,19 @@ impl Stream {
         Ok(())
     }
 
+    /// The number of work items enqueued so far.
+    fn enqueued(&self) -> u64 {
+        self.st.lock().enqueued
+    }
+
+    /// Waits until `target` work items have run (capture or not).
+    fn wait_for_count(&self, target: u64) {
+        let mut st = self.st.lock();
+        while st.completed < target {
+            self.cv.wait_for(&mut st, TICK);
+        }
+    }
+
     fn close(&self) {
         let mut st = self.st.lock();
         st.closing = true;
@@ -130,6 +159,38 @@ impl Stream {
 }
 
 static STREAMS: Table<Stream> = Table::new();
+
+/// Every stream whose worker runs: created ones (destroyed ones too, until
+/// they drain) and the legacy ones.
+static RUNNING: Mutex<Vec<Arc<Stream>>> = Mutex::new(Vec::new());
+
+/// `device`'s running streams with the work enqueued on each so far.
+fn snapshot(device: i32) -> Vec<(Arc<Stream>, u64)> {
+    let streams: Vec<Arc<Stream>> = RUNNING
+        .lock()
+        .iter()
+        .filter(|s| s.device == device)
+        .cloned()
+        .collect();
+    streams
+        .into_iter()
+        .map(|s| {
+            let n = s.enqueued();
+            (s, n)
+        })
+        .collect()
+}
+
+/// Waits until the work queued on `device` before the call (every stream of
+/// the device, legacy and destroyed ones included) has run, as the driver's
+/// implicit synchronisation in `cuMemFree` does. Work enqueued meanwhile is
+/// not waited for; work captured into a graph is not queued. No deadline:
+/// under work that never ends this never returns, as on a GPU.
+pub(crate) fn quiesce(device: i32) {
+    for (s, n) in snapshot(device) {
+        s.wait_for_count(n);
+    }
+}
 
 fn legacy(device: i32) -> Result<Arc<Stream>, CUresult> {
     static L: OnceLock<Mutex<Vec<Option<Arc<Stream>>>>> = OnceLock::new();
@@ -179,10 +240,12 @@ pub(crate) fn resolve(h: CUstream, device: Option<i32>) -> Result<Target, CUresu
     })
 }
 
-/// Launches `l` on `t` (or records it when capturing); waits for legacy work.
+/// Launches `l` on `t` (or records it when capturing); waits for legacy work
+/// (and then reports the device's sticky error, if that work set one).
 pub(crate) fn submit(t: &Target, l: Launcher) -> Result<(), CUresult> {
     if enqueue(t, l) && t.sync {
         t.stream.wait_idle()?;
+        driver::sticky(t.stream.device)?;
     }
     Ok(())
 }
@@ -208,14 +271,16 @@ pub(crate) fn push_launched(t: &Target, w: Work) {
     t.stream.push(w);
 }
 
-/// Waits for every stream of `device`.
+/// Waits for every stream of `device` (destroyed ones still draining
+/// included) but capturing ones.
 pub(crate) fn sync_device(device: i32) -> Result<(), CUresult> {
-    for s in STREAMS.values() {
-        if s.device == device && !s.capturing() {
-            s.wait_idle()?;
+    legacy(device)?;
+    for (s, n) in snapshot(device) {
+        if !s.capturing() {
+            s.wait_for_count(n);
         }
     }
-    legacy(device)?.wait_idle()
+    Ok(())
 }
 
 /// `cuStreamCreate`: a stream of the current device with its own worker.
@@ -257,7 +322,8 @@ pub extern "C" fn cuStreamDestroy_v2(h: CUstream) -> CUresult {
     })
 }
 
-/// `cuStreamQuery`: `CUDA_ERROR_NOT_READY` while work is pending.
+/// `cuStreamQuery`: the device's sticky error if it has one, else
+/// `CUDA_ERROR_NOT_READY` while work is pending.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuStreamQuery(h: CUstream) -> CUresult {
     guard(CUresult::CUDA_ERROR_UNKNOWN, || {
@@ -267,6 +333,7 @@ pub extern "C" fn cuStreamQuery(h: CUstream) -> CUresult {
             if t.stream.capturing() {
                 return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
             }
+            driver::sticky(t.stream.device)?;
             if t.stream.idle() {
                 Ok(())
             } else {
@@ -276,13 +343,16 @@ pub extern "C" fn cuStreamQuery(h: CUstream) -> CUresult {
     })
 }
 
-/// `cuStreamSynchronize`: blocks until the stream's work has run.
+/// `cuStreamSynchronize`: blocks until the stream's work has run, then
+/// reports the device's sticky error, if any.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuStreamSynchronize(h: CUstream) -> CUresult {
     guard(CUresult::CUDA_ERROR_UNKNOWN, || {
         code((|| {
             check_init()?;
-            resolve(h, None)?.stream.wait_idle()
+            let t = resolve(h, None)?;
+            t.stream.wait_idle()?;
+            driver::sticky(t.stream.device)
         })())
     })
 }
@@ -419,6 +489,7 @@ pub extern "C" fn cuGraphLaunch(exec: CUgraphExec, h: CUstream) -> CUresult {
             if t.stream.capturing() {
                 return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
             }
+            driver::sticky(t.stream.device)?;
             let works: Vec<Work> = g.nodes.iter().map(|l| l()).collect();
             t.stream.push(Box::new(move || {
                 for w in works {
@@ -427,6 +498,7 @@ pub extern "C" fn cuGraphLaunch(exec: CUgraphExec, h: CUstream) -> CUresult {
             }));
             if t.sync {
                 t.stream.wait_idle()?;
+                driver::sticky(t.stream.device)?;
             }
             Ok(())
         })())
@@ -462,6 +534,8 @@ pub extern "C" fn cuGraphDestroy(graph: CUgraph) -> CUresult {
 struct EventState {
     /// Generation of the latest record.
     recorded: u64,
+    /// The device of the stream of the latest record.
+    device: Option<i32>,
     /// Highest generation whose marker has run.
     done: u64,
     time: Option<Instant>,
@@ -518,6 +592,7 @@ pub unsafe extern "C" fn cuEventCreate(ph: *mut CUevent, flags: c_uint) -> CUres
                 timing,
                 st: Mutex::new(EventState {
                     recorded: 0,
+                    device: None,
                     done: 0,
                     time: None,
                 }),
@@ -554,9 +629,11 @@ pub extern "C" fn cuEventRecord(h: CUevent, s: CUstream) -> CUresult {
             if t.stream.capturing() {
                 return Ok(());
             }
+            driver::sticky(t.stream.device)?;
             let generation = {
                 let mut st = ev.st.lock();
                 st.recorded += 1;
+                st.device = Some(t.stream.device);
                 st.recorded
             };
             submit(
@@ -570,8 +647,9 @@ pub extern "C" fn cuEventRecord(h: CUevent, s: CUstream) -> CUresult {
     })
 }
 
-/// `cuEventQuery`: `CUDA_ERROR_NOT_READY` until the stream reaches the
-/// latest record; an event never recorded is complete.
+/// `cuEventQuery`: the sticky error of the device it was recorded on, if
+/// any, else `CUDA_ERROR_NOT_READY` until the stream reaches the latest
+/// record; an event never recorded is complete.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuEventQuery(h: CUevent) -> CUresult {
     guard(CUresult::CUDA_ERROR_UNKNOWN, || {
@@ -579,6 +657,7 @@ pub extern "C" fn cuEventQuery(h: CUevent) -> CUresult {
             check_init()?;
             let ev = event(h)?;
             let st = ev.st.lock();
+            st.device.map_or(Ok(()), driver::sticky)?;
             if st.done >= st.recorded {
                 Ok(())
             } else {
@@ -588,16 +667,20 @@ pub extern "C" fn cuEventQuery(h: CUevent) -> CUresult {
     })
 }
 
-/// `cuEventSynchronize`: blocks until the latest record has run.
+/// `cuEventSynchronize`: blocks until the latest record has run, then
+/// reports the sticky error of the device it was recorded on, if any.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuEventSynchronize(h: CUevent) -> CUresult {
     guard(CUresult::CUDA_ERROR_UNKNOWN, || {
         code((|| {
             check_init()?;
             let ev = event(h)?;
-            let g = ev.st.lock().recorded;
+            let (g, device) = {
+                let st = ev.st.lock();
+                (st.recorded, st.device)
+            };
             ev.wait(g);
-            Ok(())
+            device.map_or(Ok(()), driver::sticky)
         })())
     })
 }
@@ -611,6 +694,7 @@ pub extern "C" fn cuStreamWaitEvent(s: CUstream, h: CUevent, _flags: c_uint) -> 
             check_init()?;
             let ev = event(h)?;
             let t = resolve(s, None)?;
+            driver::sticky(t.stream.device)?;
             let g = {
                 let st = ev.st.lock();
                 if st.done >= st.recorded {

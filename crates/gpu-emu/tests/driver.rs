@@ -8,71 +8,12 @@ use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
 use common::*;
-use cuda_sys::{CUresult, CUstream, CUstreamCaptureMode, CUstreamCaptureStatus, call};
+use cuda_sys::{CUresult, CUstreamCaptureMode, CUstreamCaptureStatus, call};
 use half::bf16;
-use nccl_sys::{ncclComm_t, ncclDataType_t};
 
 const PTX: &str = ".version 8.0\n.target sm_90\n.address_size 64\n\
 .visible .entry bf16_add_inplace(\n .param .u64 p0,\n .param .u64 p1,\n .param .u64 p2\n)\n{\n ret;\n}\n\
 .visible .entry mystery_kernel()\n{\n ret;\n}\n\0";
-
-/// A one-rank communicator whose recv blocks a stream until its send runs:
-/// a deterministic way to keep a stream busy.
-struct Blocker {
-    comm: ncclComm_t,
-    buf: u64,
-    data: Vec<f32>,
-}
-
-impl Blocker {
-    fn new() -> Self {
-        let comm = init(1, unique_id(), 0);
-        let data = random_f32(256);
-        let buf = alloc(1024);
-        upload(buf, &data);
-        Blocker { comm, buf, data }
-    }
-
-    /// Enqueues a recv that waits for [`Blocker::release`]; returns its buffer.
-    fn block(&self, s: CUstream) -> u64 {
-        let dst = alloc(1024);
-        poison(dst, 1024);
-        // SAFETY: `dst` holds 256 f32.
-        nck(unsafe {
-            nccl_sys::call!(
-                nccl(),
-                ncclRecv(
-                    dst as *mut c_void,
-                    256,
-                    ncclDataType_t::ncclFloat32,
-                    0,
-                    self.comm,
-                    s
-                )
-            )
-        }
-        .unwrap());
-        dst
-    }
-
-    fn release(&self, s: CUstream) {
-        // SAFETY: `buf` holds 256 f32.
-        nck(unsafe {
-            nccl_sys::call!(
-                nccl(),
-                ncclSend(
-                    self.buf as *const c_void,
-                    256,
-                    ncclDataType_t::ncclFloat32,
-                    0,
-                    self.comm,
-                    s
-                )
-            )
-        }
-        .unwrap());
-    }
-}
 
 #[test]
 fn devices_and_memory() {
@@ -176,7 +117,7 @@ fn memory_accounting_is_flat_after_free() {
 fn streams_are_asynchronous_and_events_follow_them() {
     let c = cuda();
     set_device(0);
-    let b = Blocker::new();
+    let b = Gate::new();
     let (s, s2, s3) = (stream(), stream(), stream());
     let (mut start, mut end, mut untimed) = (
         std::ptr::null_mut(),

@@ -150,6 +150,12 @@ pub fn download<T: Copy + Default>(src: CUdeviceptr, n: usize) -> Vec<T> {
     v
 }
 
+/// `cuMemFree_v2`'s code.
+pub fn try_free(p: CUdeviceptr) -> CUresult {
+    // SAFETY: plain values; the emulator checks `p` against its allocations.
+    unsafe { cuda_sys::call!(cuda(), cuMemFree_v2(p)) }.unwrap()
+}
+
 /// Fills device memory with a poison byte.
 pub fn poison(p: CUdeviceptr, bytes: usize) {
     // SAFETY: plain values.
@@ -271,4 +277,93 @@ pub fn random_f32(n: usize) -> Vec<f32> {
             }
         })
         .collect()
+}
+
+/// `ncclCommInitAll` over `devs`: one blocking communicator per device, all
+/// driven from this thread.
+pub fn init_all(devs: &[i32]) -> Vec<ncclComm_t> {
+    let mut comms = vec![std::ptr::null_mut(); devs.len()];
+    // SAFETY: `comms` and `devs` hold `devs.len()` entries.
+    nck(unsafe {
+        nccl_sys::call!(
+            nccl(),
+            ncclCommInitAll(comms.as_mut_ptr(), devs.len() as i32, devs.as_ptr())
+        )
+    }
+    .unwrap());
+    comms
+}
+
+/// A deterministic way to keep a stream busy: a recv on rank 0 of a
+/// two-rank communicator that waits until rank 1's send is issued. The two
+/// ranks are distinct communicators, so the recv and the send are on
+/// separate chains: NCCL runs one communicator's work in issue order, so a
+/// recv and its matching send on one communicator would wait for each
+/// other.
+pub struct Gate {
+    /// The two communicators' handles (plain ids, so a gate crosses threads).
+    comms: [usize; 2],
+    buf: CUdeviceptr,
+    /// What every released recv receives.
+    pub data: Vec<f32>,
+}
+
+impl Gate {
+    /// A gate on the current device (both ranks).
+    pub fn new() -> Self {
+        let mut dev = -1;
+        // SAFETY: `dev` is a valid out-parameter.
+        ck(unsafe { cuda_sys::call!(cuda(), cuCtxGetDevice(&mut dev)) }.unwrap());
+        let c = init_all(&[dev, dev]);
+        let data = random_f32(256);
+        let buf = alloc(1024);
+        upload(buf, &data);
+        Gate {
+            comms: [c[0] as usize, c[1] as usize],
+            buf,
+            data,
+        }
+    }
+
+    /// Enqueues on `s` a recv that waits for [`Gate::release`]; returns its
+    /// (poisoned) buffer.
+    pub fn block(&self, s: CUstream) -> CUdeviceptr {
+        let dst = alloc(1024);
+        poison(dst, 1024);
+        // SAFETY: `dst` holds 256 f32.
+        nck(unsafe {
+            nccl_sys::call!(
+                nccl(),
+                ncclRecv(
+                    dst as *mut c_void,
+                    256,
+                    ncclDataType_t::ncclFloat32,
+                    1,
+                    self.comms[0] as ncclComm_t,
+                    s
+                )
+            )
+        }
+        .unwrap());
+        dst
+    }
+
+    /// Enqueues on `s` the send that releases the oldest blocked recv.
+    pub fn release(&self, s: CUstream) {
+        // SAFETY: `buf` holds 256 f32.
+        nck(unsafe {
+            nccl_sys::call!(
+                nccl(),
+                ncclSend(
+                    self.buf as *const c_void,
+                    256,
+                    ncclDataType_t::ncclFloat32,
+                    0,
+                    self.comms[1] as ncclComm_t,
+                    s
+                )
+            )
+        }
+        .unwrap());
+    }
 }
