@@ -17,9 +17,11 @@
 //!   and the asynchronous-error query, through nccl-safe's `AbortHandle`,
 //!   which NCCL allows from another thread and which never touches a
 //!   destroyed communicator.
-//! - Lock order: `slot`, then `watched`, then `event_pool`; `abort`,
-//!   `in_call` and `idle_pending` are leaves (held for a copy or a swap,
-//!   never across another lock). The watchdog never takes `slot`.
+//! - Lock order: `slot`, then `watched`, then `event_pool`; `abort` and
+//!   `idle_pending` are leaves (held for a copy or a swap, never across
+//!   another lock). The watchdog never takes `slot`, and holds `watched`
+//!   only to copy or pop a queue's front, never across a driver call; the
+//!   call a blocking communicator is inside is published in two atomics.
 //! - Every submission is health-checked, recorded in the flight recorder,
 //!   and (unless captured into a CUDA graph or grouped) watched: a
 //!   completion event goes to the watchdog, which poisons and aborts on a
@@ -63,17 +65,13 @@ use crate::kernels;
 use crate::rendezvous::{EnvConfig, FixedIdRendezvous, Rendezvous, TcpRendezvous};
 
 pub use fast_path::AllReducePath;
-use submit::{GroupState, Watched};
+use submit::{GroupState, WatchQueues};
 
 /// The communicator and what is used with it; guarded by `Inner::slot`.
 struct Slot {
     comm: Option<Comm>,
     /// The backend's own stream (the seed's "legacy" stream).
     stream: Stream,
-    /// The stream of `all_reduce_async`.
-    comm_stream: Stream,
-    compute_done: Event,
-    comm_done: Event,
     scratch: Option<DeviceBuffer<bf16>>,
     /// Recorded after the last fast-path kernel that reads `scratch`; a
     /// fast path on another stream waits for it before its receive
@@ -115,12 +113,17 @@ struct Inner {
     abort: Mutex<Option<AbortHandle>>,
     health: Health,
     recorder: FlightRecorder,
-    watched: Mutex<Vec<Watched>>,
+    watched: Mutex<WatchQueues>,
     event_pool: Mutex<Vec<Arc<Event>>>,
     generation: AtomicU64,
-    /// The submission now inside an NCCL call on a blocking communicator,
-    /// for the watchdog: such a call has no deadline of its own.
-    in_call: Mutex<Option<submit::InCall>>,
+    /// The sequence number of the submission now inside an NCCL call on a
+    /// blocking communicator (0: none), for the watchdog: such a call has no
+    /// deadline of its own. `in_call_since_us` is when it started, in
+    /// microseconds after `born`.
+    in_call_seq: AtomicU64,
+    in_call_since_us: AtomicU64,
+    /// When the backend was made: the origin of `in_call_since_us`.
+    born: std::time::Instant,
     /// The completion event of a `recv_command_u32` enqueued and not yet
     /// seen complete: shutdown aborts such a receive at once, since only
     /// the root's next command could complete it.
@@ -313,10 +316,12 @@ impl Inner {
             group_closed: Condvar::new(),
             abort: Mutex::new(None),
             health: Health::new(),
-            watched: Mutex::new(Vec::new()),
+            watched: Mutex::new(WatchQueues::default()),
             event_pool: Mutex::new(Vec::new()),
             generation: AtomicU64::new(0),
-            in_call: Mutex::new(None),
+            in_call_seq: AtomicU64::new(0),
+            in_call_since_us: AtomicU64::new(0),
+            born: std::time::Instant::now(),
             idle_pending: Mutex::new(None),
         }))
     }
@@ -345,9 +350,6 @@ impl Slot {
         Ok(Slot {
             comm: None,
             stream: Stream::new(ctx).map_err(setup("stream"))?,
-            comm_stream: Stream::new(ctx).map_err(setup("stream"))?,
-            compute_done: Event::new(ctx, false).map_err(setup("event"))?,
-            comm_done: Event::new(ctx, false).map_err(setup("event"))?,
             scratch: None,
             scratch_free: Event::new(ctx, false).map_err(setup("event"))?,
             scratch_stream: None,
