@@ -8,8 +8,8 @@
 //!
 //! ```no_run
 //! use metrale_comm::{BackendConfig, CommBackend, NcclBackend};
-//! // torchrun-style environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
-//! let backend = NcclBackend::from_env(BackendConfig::new(0))?;
+//! // The launcher's environment (torchrun, Slurm, MPI, ...); the device is its local rank.
+//! let backend = NcclBackend::from_env(BackendConfig::new)?;
 //! # let (ptr, bytes) = (0u64, 0usize);
 //! // SAFETY: `ptr` is a device buffer of `bytes` bytes on this rank's GPU.
 //! unsafe { backend.all_reduce(ptr, bytes)? };
