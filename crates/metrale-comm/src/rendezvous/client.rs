@@ -13,7 +13,8 @@
 //!   and `delete_key` are not sent again once sent.
 //! - A `SET`, `MULTI_SET` or `APPEND` is followed by a `PING` on the same
 //!   connection: the store answers queries in order, so the echo proves it
-//!   applied the set (the protocol has no reply for it).
+//!   applied the set (the protocol has no reply for it); a store of ours
+//!   that refused it (full) answers with the nonce's complement.
 //! - A wait that reaches its deadline sends `CANCEL_WAIT` and reads the
 //!   store's last word, so the connection stays in step; a `STOP_WAITING`
 //!   that crossed the cancel means the keys are there.
@@ -56,7 +57,9 @@ enum Fail {
 fn wire(e: WireError) -> Fail {
     match e {
         WireError::Io(e) => Fail::Transport(e),
-        WireError::Malformed(m) => Fail::Fatal(RendezvousError::Protocol(m)),
+        WireError::Malformed(m) | WireError::Refused(m) => {
+            Fail::Fatal(RendezvousError::Protocol(m))
+        }
     }
 }
 
@@ -337,6 +340,13 @@ impl StoreClient {
         bytes.extend_from_slice(Query::new(query::PING).u32(self.nonce).bytes());
         proto::send(stream, &bytes).map_err(transport)?;
         let echo = proto::read_u32_by(stream, self.io_deadline()).map_err(transport)?;
+        if echo == !self.nonce {
+            return Err(Fail::Fatal(RendezvousError::Protocol(format!(
+                "the store at {} refused the query: it is full or the value is over its \
+                 limit (see the store's log)",
+                self.addr
+            ))));
+        }
         if echo != self.nonce {
             return Err(Fail::Fatal(RendezvousError::Protocol(format!(
                 "PING answered {echo:#x}, not this client's nonce"

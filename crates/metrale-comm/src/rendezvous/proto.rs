@@ -92,6 +92,8 @@ pub(crate) enum WireError {
     Io(std::io::Error),
     /// The bytes break the protocol or a bound.
     Malformed(String),
+    /// A query read whole that the store will not apply (it is full, say).
+    Refused(String),
 }
 
 impl From<std::io::Error> for WireError {
@@ -104,7 +106,7 @@ impl std::fmt::Display for WireError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             WireError::Io(e) => write!(f, "i/o: {e}"),
-            WireError::Malformed(m) => f.write_str(m),
+            WireError::Malformed(m) | WireError::Refused(m) => f.write_str(m),
         }
     }
 }

@@ -23,7 +23,8 @@
 //!   connection, hold at most [`StoreLimits::in_flight`]; the keys and
 //!   values kept hold at most [`StoreLimits::store_bytes`]. Whatever would
 //!   pass a limit closes that connection (the protocol has no error reply),
-//!   and nothing else.
+//!   and nothing else; a query read whole and refused (the store is full)
+//!   first answers a `PING` that follows with the nonce's complement.
 //! - At [`StoreLimits::max_connections`] a new connection evicts one: the
 //!   oldest still in its handshake, else the least recently active one not
 //!   waiting on keys. New connections are refused only when every other
@@ -712,7 +713,15 @@ fn serve(shared: &Shared, conn: &Arc<Conn>, mut rd: TcpStream) -> Result<(), Str
             taken: 0,
             limit: limits.max_query,
         };
-        handle(shared, conn, &mut rd, kind, deadline, &mut charge).map_err(|e| e.to_string())?;
+        match handle(shared, conn, &mut rd, kind, deadline, &mut charge) {
+            Ok(()) => {}
+            Err(WireError::Refused(why)) => {
+                drop(charge);
+                conn.flush();
+                return refuse(conn, &mut rd, why);
+            }
+            Err(e) => return Err(e.to_string()),
+        }
         drop(charge);
         conn.flush();
         if conn.waiting.load(Ordering::Acquire) {
@@ -722,6 +731,20 @@ fn serve(shared: &Shared, conn: &Arc<Conn>, mut rd: TcpStream) -> Result<(), Str
         }
         idle_until = proto::after(limits.idle);
     }
+}
+
+/// After a query read whole and refused: a `PING` that follows (our
+/// client confirms every set with one) gets the nonce's complement, which
+/// says so; then the connection closes.
+fn refuse(conn: &Conn, rd: &mut TcpStream, why: String) -> Result<(), String> {
+    let deadline = proto::after(Duration::from_secs(1));
+    if let Ok(query::PING) = proto::read_u8_by(rd, deadline)
+        && let Ok(nonce) = proto::read_u32_by(rd, deadline)
+    {
+        conn.push(&(!nonce).to_le_bytes());
+        conn.flush();
+    }
+    Err(format!("refused: {why}"))
 }
 
 fn blob_reply(out: &mut Vec<u8>, value: &[u8]) {
@@ -744,7 +767,7 @@ fn handle(
         let len = proto::read_len_by(rd, deadline, max, what)?;
         proto::read_blob_by(rd, deadline, len, |n| charge.take(n))
     };
-    let full = |e: String| WireError::Malformed(e);
+    let full = |e: String| WireError::Refused(e);
     let flush_all = |woken: Vec<Arc<Conn>>| woken.iter().for_each(|c| c.flush());
     match kind {
         query::PING => {
@@ -811,7 +834,7 @@ fn handle(
             let current = match data.map.get(&key) {
                 None => 0,
                 Some(v) => proto::parse_counter(v).ok_or_else(|| {
-                    WireError::Malformed("ADD on a key that holds no integer".to_owned())
+                    WireError::Refused("ADD on a key that holds no integer".to_owned())
                 })?,
             };
             let next = current.wrapping_add(delta);
@@ -848,7 +871,9 @@ fn handle(
                 }
                 _ => {
                     if data.waiting.contains_key(&conn.id) {
-                        return Err(full("a second WAIT while one is pending".to_owned()));
+                        return Err(WireError::Malformed(
+                            "a second WAIT while one is pending".to_owned(),
+                        ));
                     }
                     keys.retain(|k| !data.map.contains_key(k));
                     if keys.is_empty() {
