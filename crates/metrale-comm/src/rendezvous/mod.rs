@@ -442,7 +442,7 @@ fn rank_world_or_env(
 
 /// Builds the rendezvous named by `url`: `env://` (the launcher's variables,
 /// [`Launch`], and `METRALE_STORE_TOKEN`), `file:///abs/dir` or
-/// `tcp://host:port` (rank 0 serves there; rank and
+/// `tcp://host:port` (rank 0 serves on that port, on every address; rank and
 /// world size from `?rank=R&world_size=W`, else `RANK` and `WORLD_SIZE`).
 /// `timeout` bounds connecting to the store.
 pub fn rendezvous_from_url(
@@ -470,11 +470,15 @@ pub fn rendezvous_from_url(
         } => {
             let (rank, world_size) = rank_world_or_env(rank, world_size)?;
             let addr = resolve(&host, port)?;
-            Ok(Box::new(TcpRendezvous::new(
+            // Rank 0 serves on every address of the host's family, as env:// does.
+            let serve = (rank == 0).then(|| launcher::bind_addr(addr));
+            Ok(Box::new(TcpRendezvous::build(
                 rank,
                 world_size,
+                serve,
                 addr,
                 token_from_env(),
+                "metrale/",
                 timeout,
             )?))
         }

@@ -26,7 +26,9 @@ impl Part<'_> {
             Part::Text(_) => 1,
             Part::Set(ranges) => ranges
                 .iter()
-                .map(|(lo, hi, _)| usize::try_from(hi - lo).map_or(usize::MAX, |n| n + 1))
+                .map(|(lo, hi, _)| {
+                    usize::try_from(hi - lo).map_or(usize::MAX, |n| n.saturating_add(1))
+                })
                 .fold(0usize, usize::saturating_add),
         }
     }
@@ -177,6 +179,26 @@ mod tests {
             assert!(expand_nodelist(bad).is_err(), "{bad:?}");
         }
         assert!(expand_nodelist("a[0-99999999999]").is_err());
+        assert!(expand_nodelist("a[0-18446744073709551615]").is_err());
+        assert!(expand_nodelist("a[0-18446744073709551616]").is_err());
         assert_eq!(first_node("a[0-99999999999]").unwrap(), "a0");
+    }
+
+    #[test]
+    fn garbage_never_panics() {
+        use rand::Rng;
+        let alphabet = b"ab09[],-";
+        let mut rng = rand::rng();
+        for _ in 0..20_000 {
+            let len = rng.random_range(0..12);
+            let s: String = (0..len)
+                .map(|_| char::from(alphabet[rng.random_range(0..alphabet.len())]))
+                .collect();
+            let all = expand_nodelist(&s);
+            let first = first_node(&s);
+            if let (Ok(all), Ok(first)) = (&all, &first) {
+                assert_eq!(all.first(), Some(first), "{s:?}");
+            }
+        }
     }
 }

@@ -123,7 +123,9 @@ impl TcpRendezvous {
         }
     }
 
-    fn build(
+    /// Rank `rank` of `world_size`, serving a store on `serve` when given
+    /// and connecting to `addr` otherwise; keys under `namespace`.
+    pub(crate) fn build(
         rank: usize,
         world_size: usize,
         serve: Option<SocketAddr>,
