@@ -12,8 +12,9 @@
 //!   it completes a connection can hold at most the 1 KiB of a token.
 //!   With a token, a `PING` in place of `METRALE_AUTH` (a client without
 //!   the token, PyTorch's for one) is answered with the complement of its
-//!   nonce, which PyTorch's client rejects at once, and the connection is
-//!   closed; anything else is closed without a word.
+//!   nonce, which PyTorch's client reports as "Ping failed, invalid value
+//!   returned from server", and the connection is closed; anything else is
+//!   closed without a word.
 //! - Once a query's first byte arrived, the whole query must arrive within
 //!   [`StoreLimits::query`]. A connection with no query for
 //!   [`StoreLimits::idle`] is closed, unless it waits on keys (at most 24 h).
@@ -655,8 +656,8 @@ fn handshake(shared: &Shared, conn: &Conn, rd: &mut TcpStream) -> Result<(), Str
         let kind = proto::read_u8_by(rd, deadline).map_err(io_reason("no METRALE_AUTH"))?;
         if kind == query::PING {
             // A client without the token (PyTorch's, or ours without
-            // METRALE_STORE_TOKEN): the complement of its nonce tells it
-            // at once; PyTorch's client fails on it without retrying.
+            // METRALE_STORE_TOKEN): the complement of its nonce tells it.
+            // Ours stops; PyTorch's 2.11 client retries until its timeout.
             let nonce = proto::read_u32_by(rd, deadline).map_err(io_reason("PING"))?;
             conn.push(&(!nonce).to_le_bytes());
             conn.flush();
