@@ -21,6 +21,7 @@ mod fixed;
 mod launcher;
 pub mod nodelist;
 mod proto;
+mod queries;
 mod server;
 mod tcp;
 
