@@ -62,7 +62,7 @@ use crate::diagnostics::FlightRecorder;
 use crate::error::{CommError, Failure};
 use crate::health::Health;
 use crate::kernels;
-use crate::rendezvous::{EnvConfig, FixedIdRendezvous, Rendezvous, TcpRendezvous};
+use crate::rendezvous::{FixedIdRendezvous, Launch, Rendezvous, TcpRendezvous};
 
 pub use fast_path::AllReducePath;
 use submit::{GroupState, WatchQueues};
@@ -173,19 +173,26 @@ impl NcclBackend {
         NcclBackend::start(inner)
     }
 
-    /// Builds a backend from torchrun's environment (`env://`): `RANK`,
-    /// `WORLD_SIZE`, `LOCAL_RANK` (the device, overriding `config.device`),
-    /// `MASTER_ADDR`, `MASTER_PORT`, and `METRALE_STORE_TOKEN` when set.
-    /// `METRALE_COMM_*` overrides apply on top of `config`.
-    pub fn from_env(config: BackendConfig) -> Result<NcclBackend> {
-        let env = EnvConfig::from_env()?;
-        let mut config = config.with_env_overrides()?;
-        config.device = env.local_rank;
-        let addr = resolve(&env.master_addr, env.master_port)?;
-        let token = std::env::var("METRALE_STORE_TOKEN")
-            .ok()
-            .filter(|t| !t.is_empty());
-        let rv = TcpRendezvous::new(env.rank, env.world_size, addr, token, config.init_timeout)?;
+    /// Builds a backend from the launcher's environment (`env://`): torchrun,
+    /// Slurm, Open MPI, MPICH / Intel MPI / PMIx, a Kubeflow PyTorchJob or
+    /// plain `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`
+    /// (`rendezvous::Launch`; precedence in docs/operations.md). The device
+    /// is the launcher's local rank, or `METRALE_COMM_DEVICE`: `config`
+    /// builds the configuration for it (`BackendConfig::new` for the
+    /// defaults) and must keep that device. `METRALE_COMM_*` overrides apply
+    /// on top. Under torchrun every rank is a client of the agent's store;
+    /// elsewhere rank 0 serves one on `MASTER_PORT`.
+    pub fn from_env(config: impl FnOnce(usize) -> BackendConfig) -> Result<NcclBackend> {
+        let launch = Launch::from_env()?;
+        let config = config(launch.device).with_env_overrides()?;
+        if config.device != launch.device {
+            return Err(CommError::Config(format!(
+                "from_env: the device is {} (from {}), but the configuration names device {}; \
+                 set METRALE_COMM_DEVICE to choose another",
+                launch.device, launch.device_from, config.device
+            )));
+        }
+        let rv = TcpRendezvous::from_launch(&launch, config.init_timeout)?;
         NcclBackend::new(config, Box::new(rv))
     }
 
@@ -325,15 +332,6 @@ impl Inner {
             idle_pending: Mutex::new(None),
         }))
     }
-}
-
-fn resolve(host: &str, port: u16) -> Result<std::net::SocketAddr> {
-    use std::net::ToSocketAddrs;
-    (host, port)
-        .to_socket_addrs()
-        .map_err(|e| CommError::Config(format!("MASTER_ADDR {host}:{port}: {e}")))?
-        .next()
-        .ok_or_else(|| CommError::Config(format!("MASTER_ADDR {host}:{port} resolves to nothing")))
 }
 
 impl Slot {
