@@ -162,6 +162,12 @@ pub(super) struct OpInfo {
     pub(super) peer: Option<usize>,
 }
 
+/// Completion events kept for reuse: as many as operations are usually in
+/// flight, so that a submission records a pooled event instead of creating
+/// one (`cuEventCreate` and `cuEventDestroy` cost a submission more than
+/// everything else it does).
+const EVENT_POOL_CAP: usize = 4096;
+
 /// Errors NCCL or the driver return for the call's own arguments, before
 /// anything is enqueued: they do not poison.
 fn is_refusal(e: &nccl_safe::Error) -> bool {
@@ -214,8 +220,11 @@ impl Inner {
     /// The slot, once no other thread has a group open (bounded by the
     /// collective timeout).
     pub(super) fn lock_slot(&self, op: &'static str) -> Result<MutexGuard<'_, Slot>> {
-        let me = std::thread::current().id();
         let mut slot = self.slot.lock();
+        if slot.group.is_none() {
+            return Ok(slot);
+        }
+        let me = std::thread::current().id();
         let deadline = Instant::now() + self.config.collective_timeout;
         while slot.group.as_ref().is_some_and(|g| g.owner != me) {
             if self
@@ -313,7 +322,7 @@ impl Inner {
     pub(super) fn recycle(&self, events: impl IntoIterator<Item = Arc<Event>>) {
         let mut pool = self.event_pool.lock();
         for ev in events {
-            if Arc::strong_count(&ev) == 1 && pool.len() < 64 {
+            if Arc::strong_count(&ev) == 1 && pool.len() < EVENT_POOL_CAP {
                 pool.push(ev);
             }
         }
