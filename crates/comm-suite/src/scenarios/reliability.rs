@@ -20,14 +20,14 @@ use crate::{RankCtx, analyze_dumps};
 const TIMEOUT: Duration = Duration::from_secs(2);
 const SLACK: Duration = Duration::from_secs(1);
 
-fn short(ctx: &RankCtx) -> metrale_comm::BackendConfig {
+pub(crate) fn short(ctx: &RankCtx) -> metrale_comm::BackendConfig {
     ctx.config()
         .with_collective_timeout(TIMEOUT)
         .with_fast_path(FastPathPolicy::Never)
 }
 
 /// Resets the emulator's faults when dropped.
-struct ResetFaults<'a>(&'a RankCtx);
+pub(crate) struct ResetFaults<'a>(&'a RankCtx);
 
 impl Drop for ResetFaults<'_> {
     fn drop(&mut self) {
@@ -39,14 +39,16 @@ impl Drop for ResetFaults<'_> {
 
 /// The emulator's fault injection and a guard that clears it when the
 /// scenario ends; on GPUs, the skip error of a scenario that needs it.
-fn fault_injection(ctx: &RankCtx) -> anyhow::Result<(&'static EmuControl, ResetFaults<'_>)> {
+pub(crate) fn fault_injection(
+    ctx: &RankCtx,
+) -> anyhow::Result<(&'static EmuControl, ResetFaults<'_>)> {
     let emu = ctx
         .emu()
         .ok_or_else(|| RankCtx::skip("needs the emulator's fault injection"))?;
     Ok((emu, ResetFaults(ctx)))
 }
 
-fn all_reduce_ok(ctx: &RankCtx, b: &NcclBackend, salt: u64) -> anyhow::Result<()> {
+pub(crate) fn all_reduce_ok(ctx: &RankCtx, b: &NcclBackend, salt: u64) -> anyhow::Result<()> {
     let w = ctx.world_size;
     let seed = ctx.shared_seed(&format!("ar-{salt}"))?;
     let inputs: Vec<Vec<bf16>> = (0..w).map(|k| random_vec(seed, k, salt, 1000)).collect();
@@ -62,7 +64,7 @@ fn all_reduce_ok(ctx: &RankCtx, b: &NcclBackend, salt: u64) -> anyhow::Result<()
     )
 }
 
-fn expect_timeout(
+pub(crate) fn expect_timeout(
     what: &str,
     r: Result<(), CommError>,
     took: Duration,
@@ -157,12 +159,14 @@ pub fn injected_hang(ctx: &RankCtx) -> anyhow::Result<()> {
     let (emu, _reset) = fault_injection(ctx)?;
     let b = ctx.backend("hang", short(ctx))?;
     all_reduce_ok(ctx, &b, 2)?;
-    if ctx.rank == 1 {
-        emu.inject(1, Fault::Hang, 1)?;
+    // The last rank hangs: rank 1 of 2, rank 7 of 8.
+    let hung = ctx.world_size - 1;
+    if ctx.rank == hung {
+        emu.inject(hung, Fault::Hang, 1)?;
     }
     ctx.barrier("hang injected")?;
     let mut buf = DeviceBuffer::<bf16>::alloc(b.context(), 1000)?;
-    ctx.step("all_reduce with rank 1 hanging");
+    ctx.step(format!("all_reduce with rank {hung} hanging"));
     let t = Instant::now();
     let r = b.all_reduce(buf.view_mut()).and_then(|()| b.synchronize());
     expect_timeout("hung all_reduce", r, t.elapsed())?;
