@@ -136,26 +136,39 @@ pub struct Entry {
     pub bytes: Option<usize>,
     /// Criterion's typical estimate per iteration.
     pub time: Timing,
+    /// The same estimate in the baseline read beside it, if any.
+    pub base: Option<Timing>,
 }
 
-/// Reads one `new/` directory.
-fn read_entry(new: &Path) -> anyhow::Result<Entry> {
-    let read = |name: &str| {
-        let p = new.join(name);
-        std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))
-    };
-    let id: BenchmarkJson = serde_json::from_str(&read("benchmark.json")?)
-        .with_context(|| format!("parsing {}/benchmark.json", new.display()))?;
-    let est: Estimates = serde_json::from_str(&read("estimates.json")?)
-        .with_context(|| format!("parsing {}/estimates.json", new.display()))?;
+/// The typical estimate in `dir/estimates.json`, µs.
+fn read_estimate(dir: &Path) -> anyhow::Result<Timing> {
+    let p = dir.join("estimates.json");
+    let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+    let est: Estimates =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))?;
     let typical = est.slope.as_ref().unwrap_or(&est.mean);
     // Criterion's times are nanoseconds.
-    let time = Timing::new(
+    Timing::new(
         typical.point_estimate / 1e3,
         typical.confidence_interval.lower_bound / 1e3,
         typical.confidence_interval.upper_bound / 1e3,
     )
-    .with_context(|| format!("{}: an estimate out of order", new.display()))?;
+    .with_context(|| format!("{}: an estimate out of order", p.display()))
+}
+
+/// Reads one `new/` directory, and the baseline `baseline` beside it.
+fn read_entry(new: &Path, baseline: Option<&str>) -> anyhow::Result<Entry> {
+    let p = new.join("benchmark.json");
+    let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+    let id: BenchmarkJson =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))?;
+    let time = read_estimate(new)?;
+    let base = match (baseline, new.parent()) {
+        (Some(name), Some(up)) if up.join(name).join("estimates.json").is_file() => {
+            Some(read_estimate(&up.join(name))?)
+        }
+        _ => None,
+    };
     // `{"Bytes": n}` or `{"BytesDecimal": n}`.
     let bytes = id.throughput.as_ref().and_then(|t| {
         ["BytesDecimal", "Bytes"]
@@ -173,12 +186,14 @@ fn read_entry(new: &Path) -> anyhow::Result<Entry> {
         param,
         bytes,
         time,
+        base,
     })
 }
 
 /// Every benchmark under `dir` whose `new/benchmark.json` was written at
-/// or after `since` (seconds since the epoch; 0 reads all), sorted by id.
-pub fn read_entries(dir: &Path, since: u64) -> anyhow::Result<Vec<Entry>> {
+/// or after `since` (seconds since the epoch; 0 reads all), sorted by id,
+/// with its estimate in the saved baseline `baseline` where there is one.
+pub fn read_entries(dir: &Path, since: u64, baseline: Option<&str>) -> anyhow::Result<Vec<Entry>> {
     let mut found = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
@@ -197,7 +212,7 @@ pub fn read_entries(dir: &Path, since: u64) -> anyhow::Result<Vec<Entry>> {
                     .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
                     .map_or(0, |d| d.as_secs());
                 if written >= since {
-                    found.push(read_entry(&p)?);
+                    found.push(read_entry(&p, baseline)?);
                 }
             } else {
                 stack.push(p);
@@ -211,15 +226,20 @@ pub fn read_entries(dir: &Path, since: u64) -> anyhow::Result<Vec<Entry>> {
 }
 
 /// Reads the run in `dir`: its [`RunInfo`] and the benchmarks written since
-/// it began (all of them with `all`).
-pub fn read_run(dir: &Path, all: bool) -> anyhow::Result<(RunInfo, Vec<Entry>)> {
+/// it began (all of them with `all`), each with its estimate in the saved
+/// baseline `baseline` (criterion's `--baseline NAME`) where there is one.
+pub fn read_run(
+    dir: &Path,
+    all: bool,
+    baseline: Option<&str>,
+) -> anyhow::Result<(RunInfo, Vec<Entry>)> {
     let info = RunInfo::read(dir)?;
     let since = if all {
         0
     } else {
         info.started_unix.saturating_sub(1)
     };
-    let entries = read_entries(dir, since)?;
+    let entries = read_entries(dir, since, baseline)?;
     if entries.is_empty() {
         bail!("no criterion results under {} for this run", dir.display());
     }
@@ -250,8 +270,9 @@ fn us(t: Option<&Timing>) -> String {
     t.map_or("-".into(), |t| format!("{:.2}", t.us))
 }
 
-/// The markdown tables of a run.
-pub fn render(info: &RunInfo, entries: &[Entry]) -> String {
+/// The markdown tables of a run; with `baseline`, also each benchmark's
+/// change against it.
+pub fn render(info: &RunInfo, entries: &[Entry], baseline: Option<&str>) -> String {
     let w = info.world;
     let groups = by_group(entries);
     let mut s = String::from("# Collectives: CommBackend next to raw NCCL\n\n");
@@ -429,6 +450,62 @@ pub fn render(info: &RunInfo, entries: &[Entry]) -> String {
         s.push_str(&other);
         s.push('\n');
     }
+    if let Some(name) = baseline {
+        s.push_str(&changes(name, &groups_with_base(entries)));
+    }
+    s
+}
+
+/// Per group and size, each function's estimate now and in the baseline.
+type BaseRows = BTreeMap<(String, usize), BTreeMap<String, (Timing, Timing)>>;
+
+fn groups_with_base(entries: &[Entry]) -> BaseRows {
+    let mut out = BaseRows::new();
+    for e in entries {
+        if let Some(b) = e.base {
+            out.entry((e.group.clone(), e.bytes.unwrap_or(0)))
+                .or_default()
+                .insert(e.function.clone(), (e.time, b));
+        }
+    }
+    out
+}
+
+/// The change of every benchmark against the baseline `name`; raw NCCL's
+/// change is the machine's drift between the two runs, so `ours - raw` is
+/// the code's share.
+fn changes(name: &str, rows: &BaseRows) -> String {
+    let mut s = format!(
+        "## Against baseline `{name}` (criterion's --baseline)\n\n\
+         Change of each estimate, % (negative: faster now); `ours - raw` is ours' change \
+         less raw NCCL's, the same box's drift between the runs.\n\n\
+         | group | bytes | raw % | ours % | ours - raw | never % | always % | default % |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|\n"
+    );
+    if rows.is_empty() {
+        s.push_str("| (no benchmark of this run is in the baseline) | | | | | | | |\n");
+    }
+    let pct = |r: Option<&(Timing, Timing)>| r.map(|(now, base)| 100.0 * (now.us / base.us - 1.0));
+    let cell = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:+.1}"));
+    for ((group, bytes), row) in rows {
+        let (raw, ours) = (pct(row.get("raw")), pct(row.get("ours")));
+        let _ = writeln!(
+            s,
+            "| {group} | {} | {} | {} | {} | {} | {} | {} |",
+            if *bytes == 0 {
+                "-".into()
+            } else {
+                human_bytes(*bytes)
+            },
+            cell(raw),
+            cell(ours),
+            cell(raw.zip(ours).map(|(r, o)| o - r)),
+            cell(pct(row.get("never"))),
+            cell(pct(row.get("always"))),
+            cell(pct(row.get("default"))),
+        );
+    }
+    s.push('\n');
     s
 }
 

@@ -57,7 +57,7 @@ fn two_emulated_gpus_run_every_group_and_the_tables_read_them() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
     assert!(stdout.starts_with("collectives: 2 rank(s) on "), "{stdout}");
-    let (info, entries) = read_run(&home, false).unwrap();
+    let (info, entries) = read_run(&home, false, None).unwrap();
     assert_eq!((info.world, info.quick), (2, true));
     let caps = Caps {
         world: 2,
@@ -82,7 +82,7 @@ fn two_emulated_gpus_run_every_group_and_the_tables_read_them() {
         }
     }
     assert_eq!(entries.len(), want);
-    let t = render(&info, &entries);
+    let t = render(&info, &entries, None);
     for section in [
         "## Collectives, ours / raw",
         "| all_to_all_v | eager | 4 KiB |",

@@ -5,7 +5,9 @@
 //! benchmark, and the run's `metrale-collectives.json`. Its times are the
 //! emulator's, not a measurement; the expected rows below were computed
 //! from those files by hand (slope where criterion sampled linearly, the
-//! mean under flat sampling).
+//! mean under flat sampling). The baseline `main` of the two 4 KiB
+//! all-reduce benchmarks is made by hand: every estimate of `new/` times
+//! 1.10 (raw) and 1.25 (ours).
 //!
 //! Invariant: the fixture is read, never written; a test that needs to
 //! write copies what it needs into its own temporary directory.
@@ -20,7 +22,7 @@ fn fixture() -> PathBuf {
 
 #[test]
 fn every_stored_benchmark_is_read_with_its_estimate() {
-    let entries = read_entries(&fixture(), 0).unwrap();
+    let entries = read_entries(&fixture(), 0, None).unwrap();
     assert_eq!(entries.len(), 18);
     let e = entries
         .iter()
@@ -48,9 +50,9 @@ fn every_stored_benchmark_is_read_with_its_estimate() {
 
 #[test]
 fn the_tables_carry_criterion_s_numbers() {
-    let (info, entries) = read_run(&fixture(), false).unwrap();
+    let (info, entries) = read_run(&fixture(), false, None).unwrap();
     assert_eq!(info.world, 2);
-    let t = render(&info, &entries);
+    let t = render(&info, &entries, None);
     // 4 KiB all-reduce: raw 18.18 µs, ours 23.65 µs; algbw 4096 B / t;
     // 2 ranks: busbw = algbw; ours/raw busbw = t_raw / t_ours; noise the
     // wider interval (ours: (26.11 - 22.34) / 23.65).
@@ -82,8 +84,28 @@ fn the_tables_carry_criterion_s_numbers() {
 }
 
 #[test]
+fn a_saved_baseline_is_compared_benchmark_by_benchmark() {
+    let (info, entries) = read_run(&fixture(), false, Some("main")).unwrap();
+    let with_base: Vec<_> = entries.iter().filter(|e| e.base.is_some()).collect();
+    assert_eq!(with_base.len(), 2);
+    let t = render(&info, &entries, Some("main"));
+    // 1 / 1.10 - 1 = -9.1%, 1 / 1.25 - 1 = -20.0%, ours less raw -10.9.
+    assert!(
+        t.contains("| all_reduce/eager/small | 4 KiB | -9.1 | -20.0 | -10.9 | - | - | - |"),
+        "{t}"
+    );
+    let (info, entries) = read_run(&fixture(), false, Some("nonexistent")).unwrap();
+    assert!(entries.iter().all(|e| e.base.is_none()));
+    let t = render(&info, &entries, Some("nonexistent"));
+    assert!(
+        t.contains("no benchmark of this run is in the baseline"),
+        "{t}"
+    );
+}
+
+#[test]
 fn only_the_last_run_is_read_unless_all_is_asked() {
-    assert!(read_entries(&fixture(), u64::MAX).unwrap().is_empty());
+    assert!(read_entries(&fixture(), u64::MAX, None).unwrap().is_empty());
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("tables-last-run");
     let _ = std::fs::remove_dir_all(&dir);
     // A run that began after the stored benchmarks were written finds none
@@ -95,8 +117,8 @@ fn only_the_last_run_is_read_unless_all_is_asked() {
     copy_dir(&fixture(), &dir);
     later.write(&dir).unwrap();
     assert_eq!(RunInfo::read(&dir).unwrap(), later);
-    assert!(read_run(&dir, false).is_err());
-    assert_eq!(read_run(&dir, true).unwrap().1.len(), 18);
+    assert!(read_run(&dir, false, None).is_err());
+    assert_eq!(read_run(&dir, true, None).unwrap().1.len(), 18);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -1,4 +1,4 @@
-//! `bench-tables [DIR] [--out FILE] [--all]`: the nccl-tests-style tables
+//! `bench-tables [DIR] [--out FILE] [--all] [--baseline NAME]`: the nccl-tests-style tables
 //! of the last collectives run, from criterion's estimates under DIR
 //! (default: criterion's directory, found as criterion finds it).
 //!
@@ -10,12 +10,13 @@ use std::path::PathBuf;
 use anyhow::{Context as _, bail};
 
 const HELP: &str = "\
-usage: bench-tables [DIR] [--out FILE] [--all]
+usage: bench-tables [DIR] [--out FILE] [--all] [--baseline NAME]
 
 Prints the tables of the last `collectives` run from criterion's estimates
 under DIR (default: $CRITERION_HOME, else the cargo target's criterion/).
 --out FILE also writes them to FILE; --all reads every benchmark in DIR,
-not only those of the last run.
+not only those of the last run; --baseline NAME adds each benchmark's
+change against criterion's saved baseline NAME.
 ";
 
 fn main() {
@@ -32,6 +33,7 @@ fn run() -> anyhow::Result<i32> {
     let mut dir: Option<PathBuf> = None;
     let mut out: Option<PathBuf> = None;
     let mut all = false;
+    let mut baseline: Option<String> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -41,6 +43,7 @@ fn run() -> anyhow::Result<i32> {
             }
             "--out" => out = Some(args.next().context("--out needs a file")?.into()),
             "--all" => all = true,
+            "--baseline" => baseline = Some(args.next().context("--baseline needs a name")?),
             s if s.starts_with('-') => {
                 eprint!("bench-tables: unknown option `{s}`\n{HELP}");
                 return Ok(2);
@@ -50,8 +53,8 @@ fn run() -> anyhow::Result<i32> {
         }
     }
     let dir = dir.unwrap_or_else(metrale_benches::tables::criterion_dir);
-    let (info, entries) = metrale_benches::tables::read_run(&dir, all)?;
-    let text = metrale_benches::tables::render(&info, &entries);
+    let (info, entries) = metrale_benches::tables::read_run(&dir, all, baseline.as_deref())?;
+    let text = metrale_benches::tables::render(&info, &entries, baseline.as_deref());
     print!("{text}");
     if let Some(out) = out {
         std::fs::write(&out, &text).with_context(|| format!("writing {}", out.display()))?;
