@@ -13,13 +13,17 @@
 use crate::gpu_box;
 
 const HELP: &str = "\
-usage: cargo xtask gpu-test [--gpus N] [--modes threads,processes,socket]
+usage: cargo xtask gpu-test [--gpus N] [--modes threads,processes,socket,torchrun]
                             [--scenarios a,b] [--timeout SECS] [--repeat N]
-                            [--bundle DIR]
+                            [--torchrun PATH] [--bundle DIR]
 
 Runs crates/comm-suite on this box's GPUs (built with --release): every
-scenario in every mode, then a table. --bundle DIR writes the binary and a
-run.sh to DIR instead of running (works without GPUs).
+scenario in every mode, then a table. The default modes are threads,
+processes and socket; torchrun mode launches the ranks with real
+`torchrun --no-python` (--torchrun, else $TORCHRUN, else
+/opt/torch/.venv/bin/torchrun; skipped with one line where there is none).
+--bundle DIR writes the binary and a run.sh to DIR instead of running
+(works without GPUs).
 ";
 
 /// Runs the subcommand.
@@ -28,7 +32,14 @@ pub fn run(args: &[String]) -> anyhow::Result<i32> {
         "gpu-test",
         HELP,
         &[],
-        &["--gpus", "--modes", "--scenarios", "--timeout", "--repeat"],
+        &[
+            "--gpus",
+            "--modes",
+            "--scenarios",
+            "--timeout",
+            "--repeat",
+            "--torchrun",
+        ],
         args,
     )? {
         gpu_box::Cli::Exit(code) => return Ok(code),
@@ -48,7 +59,8 @@ pub fn run(args: &[String]) -> anyhow::Result<i32> {
 
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Runs the metrale-comm multi-rank suite on this box's GPUs.
-# Options: --gpus N --modes threads,processes,socket --scenarios a,b --timeout SECS --repeat N
+# Options: --gpus N --modes threads,processes,socket,torchrun --scenarios a,b --timeout SECS --repeat N
+#          --torchrun PATH (torchrun mode; else $TORCHRUN, else /opt/torch/.venv/bin/torchrun)
 # NCCL_* variables are passed through exactly as given.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -63,6 +75,7 @@ Run on a box with NVIDIA GPUs, a driver and libnccl.so.2 (NCCL >= 2.19):
 
     ./run.sh                       # every scenario, modes threads,processes,socket
     ./run.sh --gpus 2 --modes threads --scenarios backend_all_reduce
+    ./run.sh --modes torchrun      # ranks launched by torchrun --no-python
     ./comm-suite list              # the scenarios
 
 It prints one line per scenario as it finishes, then a table

@@ -40,6 +40,10 @@ pub enum Mode {
     Processes,
     /// Processes with NCCL's peer-to-peer and shared-memory transports off.
     Socket,
+    /// One process per rank, started by real `torchrun --no-python`
+    /// (static, `--standalone` and c10d rendezvous in turn); each rank
+    /// first meets the others through torchrun's agent store.
+    Torchrun,
 }
 
 impl Mode {
@@ -49,6 +53,7 @@ impl Mode {
             Mode::Threads => "threads",
             Mode::Processes => "processes",
             Mode::Socket => "socket",
+            Mode::Torchrun => "torchrun",
         }
     }
 
@@ -58,7 +63,8 @@ impl Mode {
             "threads" => Ok(Mode::Threads),
             "processes" => Ok(Mode::Processes),
             "socket" => Ok(Mode::Socket),
-            other => anyhow::bail!("unknown mode `{other}` (threads, processes, socket)"),
+            "torchrun" => Ok(Mode::Torchrun),
+            other => anyhow::bail!("unknown mode `{other}` (threads, processes, socket, torchrun)"),
         }
     }
 }

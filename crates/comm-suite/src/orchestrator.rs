@@ -3,18 +3,30 @@
 //! scenario as it finishes and a table at the end; plus the child entry
 //! points (`comm-suite rank`, `comm-suite threads`).
 //!
-//! Invariants: every child is killed when its run's deadline passes; a
-//! child reports its outcome in `result-*` files of its run directory and by
-//! exit code (0 pass, 77 skip, anything else fail); the environment is
-//! passed through to children untouched except for the torchrun variables,
-//! the suite's own variables and, in socket mode, `NCCL_P2P_DISABLE=1` and
-//! `NCCL_SHM_DISABLE=1` (never `NCCL_NVLS_ENABLE`).
+//! In torchrun mode the child is real `torchrun --no-python`, which starts
+//! `comm-suite rank` once per GPU; scenarios take the static, `--standalone`
+//! and c10d rendezvous in turn. Each rank first builds an `NcclBackend`
+//! with `from_env` (the launcher's variables, the agent's store) and meets
+//! the others through a `TcpRendezvous` on that store, then runs the
+//! scenario as in processes mode.
+//!
+//! Invariants: every child is killed when its run's deadline passes
+//! (torchrun with its whole process group); a child reports its outcome in
+//! `result-*` files of its run directory and by exit code (0 pass, 77 skip,
+//! anything else fail; under torchrun a skip exits 0, so that torchrun does
+//! not stop the other ranks, and the files alone decide); the environment
+//! is passed through to children untouched except for the torchrun
+//! variables, the suite's own variables and, in socket mode,
+//! `NCCL_P2P_DISABLE=1` and `NCCL_SHM_DISABLE=1` (never `NCCL_NVLS_ENABLE`).
 
+use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
+use metrale_comm::rendezvous::{Launch, Launcher, Rendezvous as _, TcpRendezvous};
+use metrale_comm::{BackendConfig, CommBackend as _, NcclBackend};
 
 use crate::{EmuControl, Mode, Needs, Outcome, Progress, RankCtx, Scenario, analyze_dumps, merge};
 
@@ -22,6 +34,21 @@ use crate::{EmuControl, Mode, Needs, Outcome, Progress, RankCtx, Scenario, analy
 pub const SKIP_CODE: i32 = 77;
 /// Names the run directory in a child's environment.
 pub const DIR_ENV: &str = "METRALE_SUITE_DIR";
+/// Names, in a rank's environment, the torchrun rendezvous it runs under.
+pub const TORCHRUN_ENV: &str = "METRALE_SUITE_TORCHRUN";
+/// torchrun's rendezvous, taken in turn by the scenarios of torchrun mode.
+pub const TORCHRUN_RDZV: [&str; 3] = ["static", "standalone", "c10d"];
+/// Where torchrun is looked for when `TORCHRUN` is not set.
+pub const DEFAULT_TORCHRUN: &str = "/opt/torch/.venv/bin/torchrun";
+
+/// torchrun: `TORCHRUN`, else [`DEFAULT_TORCHRUN`], if it is a file.
+pub fn find_torchrun() -> Option<PathBuf> {
+    let path = std::env::var_os("TORCHRUN")
+        .filter(|p| !p.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_TORCHRUN));
+    path.is_file().then_some(path)
+}
 
 /// Options of `comm-suite run`.
 #[derive(Debug, Clone)]
@@ -38,6 +65,8 @@ pub struct Opts {
     pub emulator: bool,
     /// Repetitions of the SIGKILL scenario.
     pub repeat: usize,
+    /// torchrun, for torchrun mode (`None`: that mode is skipped).
+    pub torchrun: Option<PathBuf>,
 }
 
 fn write_result(dir: &Path, name: &str, out: &Outcome) {
@@ -72,8 +101,46 @@ fn emu_if(emulator: bool) -> anyhow::Result<Option<&'static EmuControl>> {
     }
 }
 
-/// `comm-suite rank --scenario NAME`: one rank of process mode, from
-/// torchrun's variables.
+/// Under torchrun, before the scenario: rank 0's id reaches every rank
+/// through the agent's store, the ranks meet at a barrier there, and an
+/// `NcclBackend` built by `from_env` passes an NCCL barrier.
+fn torchrun_preflight(ctx: &RankCtx, launch: &Launch) -> anyhow::Result<()> {
+    ctx.step("torchrun preflight: the agent's store");
+    anyhow::ensure!(
+        launch.launcher == Launcher::Torchrun,
+        "torchrun mode, but the launcher found is {}",
+        launch.launcher.name()
+    );
+    let rv = TcpRendezvous::from_launch(launch, crate::STORE_TIMEOUT)
+        .context("a rendezvous on torchrun's store")?;
+    // A generation no backend reaches, so that from_env's generation 0
+    // stays fresh in the same namespace.
+    let mut made = || Ok(rand::random::<[u8; 128]>());
+    let id = rv
+        .exchange_id(1 << 40, &mut made, crate::STORE_TIMEOUT)
+        .context("an id through torchrun's store")?;
+    ctx.all_equal(
+        "torchrun-preflight-id",
+        u64::from_le_bytes(id[..8].try_into().context("id")?),
+    )?;
+    rv.barrier("torchrun-preflight", crate::STORE_TIMEOUT)
+        .context("a barrier on torchrun's store")?;
+    ctx.step("torchrun preflight: NcclBackend::from_env");
+    let backend = NcclBackend::from_env(BackendConfig::new).context("NcclBackend::from_env")?;
+    anyhow::ensure!(
+        backend.config().device == launch.device,
+        "from_env chose device {}, the launcher {}",
+        backend.config().device,
+        launch.device
+    );
+    backend.barrier().context("an NCCL barrier")?;
+    backend.shutdown().context("shutdown")?;
+    rv.barrier("torchrun-preflight-done", crate::STORE_TIMEOUT)?;
+    Ok(())
+}
+
+/// `comm-suite rank --scenario NAME`: one rank of process mode (torchrun's
+/// variables), or of torchrun mode (whatever torchrun sets).
 pub fn rank_main(name: &str, emulator: bool) -> anyhow::Result<i32> {
     let emu = emu_if(emulator)?;
     let sc = find(name)?;
@@ -83,10 +150,21 @@ pub fn rank_main(name: &str, emulator: bool) -> anyhow::Result<i32> {
             .parse()
             .with_context(|| format!("{k} is not a number"))
     };
-    let (rank, world, local) = (var("RANK")?, var("WORLD_SIZE")?, var("LOCAL_RANK")?);
+    let under_torchrun = std::env::var_os(TORCHRUN_ENV).is_some();
+    let launch = if under_torchrun {
+        Some(Launch::from_env().context("reading torchrun's variables")?)
+    } else {
+        None
+    };
+    let (rank, world, local) = match &launch {
+        Some(l) => (l.rank, l.world_size, l.device),
+        None => (var("RANK")?, var("WORLD_SIZE")?, var("LOCAL_RANK")?),
+    };
     let dir =
         PathBuf::from(std::env::var(DIR_ENV).with_context(|| format!("{DIR_ENV} is not set"))?);
-    let mode = if std::env::var("NCCL_P2P_DISABLE").as_deref() == Ok("1") {
+    let mode = if under_torchrun {
+        Mode::Torchrun
+    } else if std::env::var("NCCL_P2P_DISABLE").as_deref() == Ok("1") {
         Mode::Socket
     } else {
         Mode::Processes
@@ -101,14 +179,22 @@ pub fn rank_main(name: &str, emulator: bool) -> anyhow::Result<i32> {
         Progress::new(world),
         emu,
     )?;
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (sc.body)(&ctx)))
-        .unwrap_or_else(|_| Err(anyhow::anyhow!("panicked")));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        if let Some(l) = &launch {
+            torchrun_preflight(&ctx, l).context("torchrun preflight")?;
+        }
+        (sc.body)(&ctx)
+    }))
+    .unwrap_or_else(|_| Err(anyhow::anyhow!("panicked")));
     let out = merge(vec![(rank, r)]);
     if let Outcome::Fail(m) = &out {
         eprintln!("{m}");
     }
     write_result(&dir, &format!("result-rank{rank}"), &out);
-    Ok(exit_code(&out))
+    Ok(match out {
+        Outcome::Skip(_) if under_torchrun => 0,
+        _ => exit_code(&out),
+    })
 }
 
 /// `comm-suite threads --world N --scenario NAME`: all ranks as threads of
@@ -173,6 +259,75 @@ fn spawn_ranks(
     Ok(kids)
 }
 
+/// torchrun in its own process group, running `comm-suite rank` on
+/// `world` GPUs with the rendezvous `rdzv`.
+fn spawn_torchrun(
+    sc: &Scenario,
+    world: usize,
+    dir: &Path,
+    torchrun: &Path,
+    rdzv: &str,
+) -> anyhow::Result<Child> {
+    let port = free_port();
+    let mut cmd = Command::new(torchrun);
+    cmd.arg("--no-python")
+        .arg(format!("--nproc-per-node={world}"));
+    match rdzv {
+        "static" => cmd.args([
+            "--nnodes=1".to_owned(),
+            "--rdzv-backend=static".to_owned(),
+            "--master-addr=127.0.0.1".to_owned(),
+            format!("--master-port={port}"),
+        ]),
+        "standalone" => cmd.arg("--standalone"),
+        _ => cmd.args([
+            "--nnodes=1".to_owned(),
+            "--rdzv-backend=c10d".to_owned(),
+            format!("--rdzv-endpoint=127.0.0.1:{port}"),
+            format!("--rdzv-id=comm-suite-{}", sc.name),
+        ]),
+    };
+    cmd.arg(std::env::current_exe()?)
+        .args(["rank", "--scenario", sc.name])
+        .env(DIR_ENV, dir)
+        .env("METRALE_COMM_DUMP_DIR", dir.join("dumps"))
+        .env(TORCHRUN_ENV, rdzv)
+        .process_group(0);
+    cmd.spawn()
+        .with_context(|| format!("spawning {}", torchrun.display()))
+}
+
+/// Kills torchrun and every rank it started (its process group).
+fn kill_group(kid: &mut Child) {
+    if let Ok(pid) = libc::pid_t::try_from(kid.id()) {
+        // SAFETY: kill takes a pid and a signal number; `-pid` names the
+        // process group our child leads (spawned with process_group(0)),
+        // and the child is not yet waited for, so its pid is not reused.
+        unsafe { libc::kill(-pid, libc::SIGKILL) };
+    }
+    let _ = kid.wait();
+}
+
+/// torchrun's outcome from the ranks' result files and its exit code.
+fn collect_torchrun(dir: &Path, world: usize, code: i32) -> Outcome {
+    let mut fails = Vec::new();
+    let mut skip = None;
+    for r in 0..world {
+        match std::fs::read_to_string(dir.join(format!("result-rank{r}"))) {
+            Ok(t) if t == "PASS" => {}
+            Ok(t) if t.starts_with("SKIP ") => skip = Some(t["SKIP ".len()..].to_string()),
+            Ok(t) => fails.push(t.trim_start_matches("FAIL ").to_string()),
+            Err(_) => fails.push(format!(
+                "rank {r} wrote no result (torchrun exited {code}; it stops every rank once one fails)"
+            )),
+        }
+    }
+    if fails.is_empty() && code != 0 {
+        fails.push(format!("torchrun exited {code}"));
+    }
+    Outcome::from_ranks(fails, skip)
+}
+
 fn kill_all(kids: &mut [Child]) {
     for k in kids.iter_mut() {
         let _ = k.kill();
@@ -233,10 +388,37 @@ fn collect(dir: &Path, files: &[String], codes: &[i32]) -> Outcome {
     Outcome::from_ranks(fails, skip)
 }
 
-/// Runs one scenario in one mode as child processes, with the deadline.
-pub fn run_one(sc: &Scenario, world: usize, mode: Mode, opts: &Opts) -> anyhow::Result<Outcome> {
+/// Runs one scenario in one mode as child processes, with the deadline;
+/// `rdzv` is torchrun's rendezvous in torchrun mode.
+pub fn run_one(
+    sc: &Scenario,
+    world: usize,
+    mode: Mode,
+    opts: &Opts,
+    rdzv: &str,
+) -> anyhow::Result<Outcome> {
     let dir = crate::fresh_run_dir(sc.name)?;
     let deadline = Instant::now() + opts.timeout;
+    if mode == Mode::Torchrun {
+        let torchrun = opts
+            .torchrun
+            .as_deref()
+            .context("torchrun mode without torchrun")?;
+        let mut kid = spawn_torchrun(sc, world, &dir, torchrun, rdzv)?;
+        let out = match wait_all(std::slice::from_mut(&mut kid), deadline) {
+            Some(codes) => collect_torchrun(&dir, world, codes[0]),
+            None => {
+                kill_group(&mut kid);
+                Outcome::Fail(hang_report(sc, &dir, world, opts.timeout))
+            }
+        };
+        if matches!(out, Outcome::Fail(_)) {
+            eprintln!("comm-suite: run directory kept: {}", dir.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        return Ok(out);
+    }
     let (mut kids, files) = if mode == Mode::Threads {
         let mut cmd = Command::new(std::env::current_exe()?);
         cmd.args([
@@ -342,6 +524,13 @@ pub fn run(opts: &Opts) -> anyhow::Result<i32> {
         None if emu.is_some() => 2,
         None => nccl_safe::device_count().context("counting GPUs through the CUDA driver")?,
     };
+    let mut modes = opts.modes.clone();
+    if modes.contains(&Mode::Torchrun) && opts.torchrun.is_none() {
+        println!(
+            "comm-suite: torchrun mode skipped: no torchrun (set TORCHRUN, or install {DEFAULT_TORCHRUN})"
+        );
+        modes.retain(|m| *m != Mode::Torchrun);
+    }
     let all = crate::scenarios();
     let selected: Vec<&Scenario> = match &opts.scenarios {
         None => all.iter().collect(),
@@ -357,7 +546,7 @@ pub fn run(opts: &Opts) -> anyhow::Result<i32> {
     println!(
         "comm-suite: {} scenario(s), modes {:?}, {gpus} {}",
         selected.len(),
-        opts.modes.iter().map(|m| m.name()).collect::<Vec<_>>(),
+        modes.iter().map(|m| m.name()).collect::<Vec<_>>(),
         if emu.is_some() {
             "emulated GPUs"
         } else {
@@ -366,20 +555,26 @@ pub fn run(opts: &Opts) -> anyhow::Result<i32> {
     );
     let mut rows: Vec<crate::Row> = selected
         .iter()
-        .map(|s| (s.name.to_string(), vec![None; opts.modes.len()]))
+        .map(|s| (s.name.to_string(), vec![None; modes.len()]))
         .collect();
     let mut failed = 0;
-    for (mi, &mode) in opts.modes.iter().enumerate() {
+    for (mi, &mode) in modes.iter().enumerate() {
         for (si, sc) in selected.iter().enumerate() {
+            let rdzv = TORCHRUN_RDZV[si % TORCHRUN_RDZV.len()];
             let t = Instant::now();
-            let out = run_cell(sc, mode, gpus, opts)?;
+            let out = run_cell(sc, mode, gpus, opts, rdzv)?;
             let took = t.elapsed();
             println!(
-                "[{:>9}] {:<28} {} {:.1}s",
+                "[{:>9}] {:<28} {} {:.1}s{}",
                 mode.name(),
                 sc.name,
                 out.label(),
-                took.as_secs_f64()
+                took.as_secs_f64(),
+                if mode == Mode::Torchrun {
+                    format!(" (torchrun {rdzv} rendezvous)")
+                } else {
+                    String::new()
+                }
             );
             match &out {
                 Outcome::Fail(m) => {
@@ -394,13 +589,19 @@ pub fn run(opts: &Opts) -> anyhow::Result<i32> {
             rows[si].1[mi] = Some((out, took));
         }
     }
-    let cols: Vec<String> = opts.modes.iter().map(|m| m.name().to_string()).collect();
+    let cols: Vec<String> = modes.iter().map(|m| m.name().to_string()).collect();
     println!("\n{}", crate::table(&cols, &rows));
     println!("comm-suite: {failed} failure(s)");
     Ok(if failed == 0 { 0 } else { 1 })
 }
 
-fn run_cell(sc: &Scenario, mode: Mode, gpus: usize, opts: &Opts) -> anyhow::Result<Outcome> {
+fn run_cell(
+    sc: &Scenario,
+    mode: Mode,
+    gpus: usize,
+    opts: &Opts,
+    rdzv: &str,
+) -> anyhow::Result<Outcome> {
     if opts.emulator && mode != Mode::Threads {
         return Ok(Outcome::Skip(
             "the emulator runs ranks as threads of one process".into(),
@@ -412,6 +613,11 @@ fn run_cell(sc: &Scenario, mode: Mode, gpus: usize, opts: &Opts) -> anyhow::Resu
     if sc.needs == Needs::Processes {
         if mode == Mode::Threads {
             return Ok(Outcome::Skip("needs one process per rank".into()));
+        }
+        if mode == Mode::Torchrun {
+            return Ok(Outcome::Skip(
+                "kills a rank it started itself; torchrun owns the ranks here".into(),
+            ));
         }
         if gpus < 2 {
             return Ok(Outcome::Skip(format!("needs 2 GPUs, {gpus} available")));
@@ -428,5 +634,5 @@ fn run_cell(sc: &Scenario, mode: Mode, gpus: usize, opts: &Opts) -> anyhow::Resu
         Ok(w) => w,
         Err(why) => return Ok(Outcome::Skip(why)),
     };
-    run_one(sc, world, mode, opts)
+    run_one(sc, world, mode, opts, rdzv)
 }

@@ -1,19 +1,23 @@
-//! A minimal two-rank program: each rank builds an `NcclBackend` from the
-//! torchrun environment, all-reduces a bf16 buffer and checks the sum.
+//! A minimal two-rank program: each rank builds an `NcclBackend` from its
+//! launcher's environment, all-reduces a bf16 buffer and checks the sum.
+//! The device is the launcher's local rank (`LOCAL_RANK` here), or
+//! `METRALE_COMM_DEVICE` when set.
 //!
 //! Run on a box with two GPUs: `cargo run --release --example two_ranks`.
-//! Without `RANK` in the environment it launches itself twice (ranks 0 and
-//! 1, `MASTER_ADDR=127.0.0.1`, a free port), as torchrun would.
+//! Without a launcher in the environment it launches itself twice (ranks 0
+//! and 1, `MASTER_ADDR=127.0.0.1`, a free port); under a launcher
+//! (`torchrun --no-python --standalone --nproc-per-node 2 two_ranks`,
+//! `srun`, `mpirun`) it is one rank.
 
 use half::bf16;
 use metrale_comm::{BackendConfig, CommBackend, NcclBackend};
 use nccl_safe::DeviceBuffer;
 
 fn main() -> anyhow::Result<()> {
-    if std::env::var("RANK").is_err() {
+    if metrale_comm::rendezvous::Launch::from_env().is_err() {
         return launch_two_ranks();
     }
-    let backend = NcclBackend::from_env(BackendConfig::new(0))?;
+    let backend = NcclBackend::from_env(BackendConfig::new)?;
     let rank = backend.rank();
 
     // Rank r contributes (i % 7) + r + 1 at index i.

@@ -73,8 +73,9 @@ pub trait CommBackend: Send + Sync {
     /// Like [`CommBackend::all_reduce`], ordered with the caller's
     /// `compute_stream`: the reduction starts after the work already queued
     /// on `compute_stream`, and later work on `compute_stream` starts after
-    /// the reduction. Under CUDA graph capture of `compute_stream`, the
-    /// reduction is captured on it and nothing waits on the host.
+    /// the reduction (it runs on that stream). Under CUDA graph capture of
+    /// `compute_stream`, the reduction is captured on it and nothing waits
+    /// on the host. `synchronize` also waits for it.
     fn all_reduce_async(&self, buf: DeviceViewMut<'_>, compute_stream: StreamRef<'_>)
     -> Result<()>;
 
@@ -169,7 +170,8 @@ pub trait CommBackend: Send + Sync {
     fn group_end(&self) -> Result<()>;
 
     /// Waits, with the collective deadline, until all work the backend has
-    /// enqueued on its own streams is complete.
+    /// enqueued is complete: on its own stream, and its operations on
+    /// callers' streams (`all_reduce_async`, `send_to`, `recv_from`).
     fn synchronize(&self) -> Result<()>;
 
     /// False once the backend is poisoned or shut down.

@@ -218,6 +218,11 @@ impl FlightRecorder {
         seq
     }
 
+    /// The op recorded as `seq`, while it is in the ring.
+    pub fn op_of(&self, seq: u64) -> Option<&'static str> {
+        self.ring.lock().slot(seq).map(|s| s.op)
+    }
+
     /// Sets the state of `seq`; a no-op when `seq` is not (or no longer) in
     /// the ring. `Completed` also sets `completed_after_us`.
     pub fn set_state(&self, seq: u64, state: OpState) {

@@ -54,13 +54,16 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Every rank of a torchrun-style job (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
-//! `MASTER_ADDR`, `MASTER_PORT`) builds its backend from the environment:
+//! Every rank of a launched job builds its backend from the launcher's
+//! environment (docs/operations.md, "Launching", has the precedence and a
+//! command line per launcher):
 //!
 //! ```no_run
 //! use metrale_comm::{BackendConfig, CommBackend, NcclBackend};
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! let backend = NcclBackend::from_env(BackendConfig::new(0))?;
+//! // The launcher's environment (torchrun, Slurm, MPI, Kubeflow); the
+//! // device is its local rank (or METRALE_COMM_DEVICE).
+//! let backend = NcclBackend::from_env(BackendConfig::new)?;
 //! # Ok(()) }
 //! ```
 //!

@@ -1,10 +1,13 @@
-//! Tests of the TCP store (requests, waits, tokens, garbage, shutdown), of
-//! the TCP and file rendezvous with four ranks as threads, and of the
-//! environment and URL parsing. Loopback addresses only.
+//! Tests of the c10d TCPStore client and server against each other
+//! (queries, waits, tokens, retries, shutdown), of the TCP and file
+//! rendezvous with four ranks as threads (namespaces, wildcard bind, a taken
+//! port), and of the environment and URL parsing. Loopback addresses only.
+//! Hostile clients are in `store_abuse.rs`, launchers in `launchers.rs`,
+//! PyTorch's bytes in `tcpstore_fixtures.rs`.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -12,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use metrale_comm::rendezvous::{
-    EnvConfig, FileRendezvous, ID_LEN, Rendezvous, RendezvousError, RendezvousSpec, StoreClient,
-    StoreServer, TcpRendezvous, rendezvous_from_url,
+    EnvConfig, FileRendezvous, ID_LEN, Launch, Rendezvous, RendezvousError, RendezvousSpec,
+    StoreClient, StoreServer, TcpRendezvous, rendezvous_from_url,
 };
 use rand::Rng;
 
@@ -31,20 +34,16 @@ fn temp_dir(tag: &str) -> PathBuf {
     std::env::temp_dir().join(format!("metrale-rdzv-{tag}-{}-{nanos}", std::process::id()))
 }
 
-/// A raw frame as the wire format defines it.
-fn frame(kind: u8, payload: &[u8]) -> Vec<u8> {
-    let mut v = b"MRDV".to_vec();
-    v.push(1);
-    v.push(kind);
-    v.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-    v.extend_from_slice(payload);
-    v
-}
+/// `VALIDATE` with PyTorch's magic number, as raw bytes.
+const VALIDATE: [u8; 5] = [0, 0xCE, 0xF7, 0x85, 0x3C];
 
-fn key_payload(key: &str, rest: &[u8]) -> Vec<u8> {
-    let mut v = (key.len() as u16).to_be_bytes().to_vec();
-    v.extend_from_slice(key.as_bytes());
-    v.extend_from_slice(rest);
+/// A raw query: the type byte, then length-prefixed blobs.
+fn raw_query(kind: u8, blobs: &[&[u8]]) -> Vec<u8> {
+    let mut v = vec![kind];
+    for b in blobs {
+        v.extend_from_slice(&(b.len() as u64).to_le_bytes());
+        v.extend_from_slice(b);
+    }
     v
 }
 
@@ -52,6 +51,21 @@ fn random_bytes(rng: &mut impl Rng, len: usize) -> Vec<u8> {
     let mut v = vec![0u8; len];
     rng.fill(&mut v[..]);
     v
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+fn lookup(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+    let map: HashMap<String, String> = vars
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    move |k| map.get(k).cloned()
 }
 
 #[test]
@@ -104,12 +118,10 @@ fn set_get_add_across_threads() -> Result<()> {
     // Overwrite, empty value.
     client.set("k0", b"")?;
     assert_eq!(client.get("k0", T)?, b"");
-    // A non-counter key refuses add without harming the store.
+    // A non-counter key refuses add (the store closes that connection, as
+    // PyTorch's does) without harming the store; the client reconnects.
     client.set("text", b"abc")?;
-    assert!(matches!(
-        client.add("text", 1),
-        Err(RendezvousError::Protocol(_))
-    ));
+    assert!(client.add("text", 1).is_err());
     assert_eq!(client.get("text", T)?, b"abc");
     Ok(())
 }
@@ -150,9 +162,58 @@ fn get_waits_for_a_later_set_and_times_out() -> Result<()> {
 }
 
 #[test]
+fn every_query_kind() -> Result<()> {
+    let server = StoreServer::bind(loopback0(), None)?;
+    let c = StoreClient::connect(server.local_addr(), None, T)?;
+    c.ping()?;
+    assert!(!c.check(&["a", "b"])?);
+    c.multi_set(&[("a", b"1"), ("b", b"22")])?;
+    assert!(c.check(&["a", "b"])?);
+    assert!(c.check(&[])?);
+    c.wait(&["a", "b"], T)?;
+    assert_eq!(
+        c.multi_get(&["b", "a"], T)?,
+        vec![b"22".to_vec(), b"1".to_vec()]
+    );
+    // compare_set, with PyTorch's semantics.
+    assert_eq!(c.compare_set("cas", b"", b"first")?, b"first");
+    assert_eq!(c.compare_set("cas", b"first", b"second")?, b"second");
+    assert_eq!(c.compare_set("cas", b"first", b"third")?, b"second");
+    assert_eq!(c.compare_set("absent", b"x", b"y")?, b"x");
+    assert!(!c.check(&["absent"])?);
+    c.append("cas", b"-more")?;
+    c.append("fresh", b"new")?;
+    assert_eq!(c.get("cas", T)?, b"second-more");
+    assert_eq!(c.get("fresh", T)?, b"new");
+    assert_eq!(c.num_keys()?, 4);
+    assert!(c.delete_key("fresh")?);
+    assert!(!c.delete_key("fresh")?);
+    assert_eq!(c.num_keys()?, 3);
+    // A multi-key wait ends when the last key appears.
+    let addr = server.local_addr();
+    let waiter = std::thread::spawn(move || -> Result<Duration> {
+        let w = StoreClient::connect(addr, None, T)?;
+        let start = Instant::now();
+        w.wait(&["a", "late1", "late2"], T)?;
+        Ok(start.elapsed())
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    c.set("late1", b"")?;
+    std::thread::sleep(Duration::from_millis(100));
+    c.set("late2", b"")?;
+    let waited = waiter.join().expect("waiter")?;
+    assert!(waited >= Duration::from_millis(150), "{waited:?}");
+    let stats = server.stats();
+    assert_eq!(stats.keys, 5);
+    Ok(())
+}
+
+#[test]
 fn token_is_required_when_configured() -> Result<()> {
     let server = StoreServer::bind(loopback0(), Some("s3cret".to_owned()))?;
     let addr = server.local_addr();
+    // Refused at once, not after the connect timeout.
+    let start = Instant::now();
     assert!(matches!(
         StoreClient::connect(addr, None, T),
         Err(RendezvousError::Unauthorized)
@@ -161,124 +222,33 @@ fn token_is_required_when_configured() -> Result<()> {
         StoreClient::connect(addr, Some("wrong".to_owned()), T),
         Err(RendezvousError::Unauthorized)
     ));
-    // A raw connection that skips the hello is refused and can do nothing.
+    assert!(start.elapsed() < Duration::from_secs(3));
+    // A raw connection that validates and skips the token can do nothing.
     let mut raw = TcpStream::connect(addr)?;
     raw.set_read_timeout(Some(T))?;
-    raw.write_all(&frame(2, &key_payload("stolen", b"x")))?;
+    raw.write_all(&VALIDATE)?;
+    raw.write_all(&raw_query(1, &[b"stolen", b"x"]))?;
     let mut reply = Vec::new();
     let _ = raw.read_to_end(&mut reply);
-    assert!(reply.len() >= 10, "an error frame comes back");
-    assert_eq!(&reply[..4], b"MRDV");
-    assert_eq!(reply[5], 0x83, "the reply is UNAUTHORIZED");
+    assert!(reply.is_empty(), "closed without a word: {reply:?}");
+    // PyTorch's client pings first: the nonce comes back complemented.
+    let mut raw = TcpStream::connect(addr)?;
+    raw.set_read_timeout(Some(T))?;
+    raw.write_all(&VALIDATE)?;
+    raw.write_all(&[13, 0x78, 0x56, 0x34, 0x12])?;
+    let mut echo = [0u8; 4];
+    raw.read_exact(&mut echo)?;
+    assert_eq!(u32::from_le_bytes(echo), !0x1234_5678u32);
 
     let good = StoreClient::connect(addr, Some("s3cret".to_owned()), T)?;
-    assert!(matches!(
-        good.get("stolen", Duration::from_millis(50)),
-        Err(RendezvousError::Timeout { .. })
-    ));
+    assert!(!good.check(&["stolen"])?);
     good.set("ok", b"1")?;
     assert_eq!(good.get("ok", T)?, b"1");
-    Ok(())
-}
-
-/// Builds one garbage batch for a connection; returns (bytes, frames in it).
-fn garbage_batch(rng: &mut impl Rng) -> (Vec<u8>, usize) {
-    let mut out = Vec::new();
-    let mut frames = 0;
-    if rng.random_bool(0.5) {
-        out.extend(frame(1, b""));
-        frames += 1;
-    }
-    // Some well-formed requests first, so that the parser gets past the hello.
-    for _ in 0..rng.random_range(0..20) {
-        let key = format!("junk/{}", rng.random::<u32>());
-        let req = match rng.random_range(0..3) {
-            0 => {
-                let len = rng.random_range(0..64);
-                frame(2, &key_payload(&key, &random_bytes(rng, len)))
-            }
-            1 => frame(4, &key_payload(&key, &rng.random::<i64>().to_be_bytes())),
-            _ => frame(3, &key_payload(&key, &0u64.to_be_bytes())),
-        };
-        out.extend(req);
-        frames += 1;
-    }
-    // Then garbage, which ends the connection.
-    for _ in 0..rng.random_range(1..10) {
-        match rng.random_range(0..5) {
-            0 => {
-                let len = rng.random_range(1..64);
-                out.extend(random_bytes(rng, len));
-            }
-            1 => {
-                let kind = rng.random::<u8>();
-                let len = rng.random_range(0..200);
-                out.extend(frame(kind, &random_bytes(rng, len)));
-            }
-            2 => {
-                let mut f = frame(2, b"");
-                let huge: u32 = rng.random_range((1 << 20) + 1..=u32::MAX);
-                f[6..10].copy_from_slice(&huge.to_be_bytes());
-                out.extend(f);
-            }
-            3 => {
-                let mut f = frame(rng.random_range(1..5), &random_bytes(rng, 100));
-                f[4] = rng.random_range(2..=255);
-                out.extend(f);
-            }
-            _ => {
-                // Truncated: the header promises more than is sent.
-                let f = frame(2, &random_bytes(rng, 100));
-                out.extend_from_slice(&f[..rng.random_range(1..f.len())]);
-            }
-        }
-        frames += 1;
-    }
-    (out, frames)
-}
-
-#[test]
-fn server_survives_garbage() -> Result<()> {
-    let server = StoreServer::bind(loopback0(), None)?;
-    let addr = server.local_addr();
-    let before = StoreClient::connect(addr, None, T)?;
-    before.set("keep", b"safe")?;
-    let sent = Arc::new(AtomicUsize::new(0));
-    let workers: Vec<_> = (0..4)
-        .map(|_| {
-            let sent = Arc::clone(&sent);
-            std::thread::spawn(move || -> Result<usize> {
-                let mut rng = rand::rng();
-                let mut conns = 0;
-                while sent.load(Ordering::SeqCst) < 10_000 {
-                    let (bytes, frames) = garbage_batch(&mut rng);
-                    let mut s = TcpStream::connect(addr).context("connect")?;
-                    s.set_read_timeout(Some(Duration::from_millis(500)))?;
-                    // The server may close early: write errors are expected.
-                    let _ = s.write_all(&bytes);
-                    let _ = s.shutdown(Shutdown::Write);
-                    let mut sink = Vec::new();
-                    let _ = s.read_to_end(&mut sink);
-                    sent.fetch_add(frames, Ordering::SeqCst);
-                    conns += 1;
-                }
-                Ok(conns)
-            })
-        })
-        .collect();
-    let mut conns = 0;
-    for w in workers {
-        conns += w.join().expect("worker panicked")?;
-    }
-    assert!(sent.load(Ordering::SeqCst) >= 10_000);
-    assert!(conns >= 4);
-    // The old connection and a new one both still work.
-    assert_eq!(before.get("keep", T)?, b"safe");
-    let after = StoreClient::connect(addr, None, T)?;
-    after.set("fresh", b"ok")?;
-    assert_eq!(after.get("fresh", T)?, b"ok");
-    assert_eq!(after.add("fresh-counter", 5)?, 5);
-    assert_eq!(before.get("keep", T)?, b"safe");
+    // A store without a token accepts a client that has one.
+    let open = StoreServer::bind(loopback0(), None)?;
+    let c = StoreClient::connect(open.local_addr(), Some("any".to_owned()), T)?;
+    c.set("k", b"v")?;
+    assert_eq!(c.get("k", T)?, b"v");
     Ok(())
 }
 
@@ -287,23 +257,23 @@ fn server_drop_does_not_hang() -> Result<()> {
     let server = StoreServer::bind(loopback0(), None)?;
     let addr = server.local_addr();
     let _idle = StoreClient::connect(addr, None, T)?;
-    // A raw connection stuck mid-frame.
+    // A raw connection stuck mid-query.
     let mut half = TcpStream::connect(addr)?;
-    half.write_all(&frame(1, b"")[..5])?;
+    half.write_all(&VALIDATE)?;
+    half.write_all(&raw_query(1, &[b"key"])[..5])?;
     // A client blocked in a long get.
     let c = StoreClient::connect(addr, None, T)?;
-    let waiter = std::thread::spawn(move || c.get("never", Duration::from_secs(60)));
+    let waiter = std::thread::spawn(move || c.get("never", Duration::from_secs(2)));
     std::thread::sleep(Duration::from_millis(100));
     let start = Instant::now();
     server.shutdown();
     let took = start.elapsed();
     assert!(took < Duration::from_secs(3), "shutdown took {took:?}");
+    // The waiting get tries to reconnect (the store may come back) and ends
+    // with an error at its deadline.
     let result = waiter.join().expect("waiter");
-    assert!(
-        matches!(result, Err(RendezvousError::Closed)),
-        "the waiting get ends with Closed: {result:?}"
-    );
-    assert!(start.elapsed() < Duration::from_secs(3));
+    assert!(result.is_err(), "{result:?}");
+    assert!(start.elapsed() < Duration::from_secs(5));
     Ok(())
 }
 
@@ -330,6 +300,13 @@ fn connect_retries_until_the_server_starts() -> Result<()> {
 #[test]
 fn idle_connections_are_replaced_and_huge_timeouts_do_not_overflow() -> Result<()> {
     let server = StoreServer::bind_with_idle_limit(loopback0(), None, Duration::from_millis(100))?;
+    // A validated raw connection that sends nothing is closed as idle.
+    let mut raw = TcpStream::connect(server.local_addr())?;
+    raw.write_all(&VALIDATE)?;
+    raw.set_read_timeout(Some(T))?;
+    let start = Instant::now();
+    assert_eq!(raw.read(&mut [0u8; 1])?, 0, "closed");
+    assert!(start.elapsed() < Duration::from_secs(3));
     let c = StoreClient::connect(server.local_addr(), None, Duration::MAX)?;
     c.set("k", b"v1")?;
     // The server drops the connection as idle; the client reconnects.
@@ -473,6 +450,107 @@ fn tcp_rendezvous_reports_make_errors_and_barrier_timeouts() -> Result<()> {
     Ok(())
 }
 
+/// The variables of plain `env://` for `rank` of `world` on `port`.
+fn env_vars(rank: usize, world: usize, port: u16) -> Vec<(&'static str, String)> {
+    vec![
+        ("RANK", rank.to_string()),
+        ("WORLD_SIZE", world.to_string()),
+        ("LOCAL_RANK", rank.to_string()),
+        ("MASTER_ADDR", "localhost".to_owned()),
+        ("MASTER_PORT", port.to_string()),
+    ]
+}
+
+fn launch_of(vars: &[(&str, String)]) -> Result<Launch> {
+    let pairs: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    Ok(Launch::from_lookup(lookup(&pairs))?)
+}
+
+#[test]
+fn rank0_binds_the_wildcard_and_a_taken_port_is_explained() -> Result<()> {
+    let port = free_port();
+    let rank0 = TcpRendezvous::from_launch(&launch_of(&env_vars(0, 2, port))?, T)?;
+    let bound = rank0.local_addr().context("rank 0 serves")?;
+    assert!(bound.ip().is_unspecified(), "bound on {bound}");
+    assert_eq!(bound.port(), port);
+    let rank1 = TcpRendezvous::from_launch(&launch_of(&env_vars(1, 2, port))?, T)?;
+    assert!(rank1.local_addr().is_none());
+    let id = random_id();
+    let t = std::thread::spawn(move || rank1.exchange_id(0, &mut || panic!("rank 1"), T));
+    assert_eq!(rank0.exchange_id(0, &mut || Ok(id), T)?, id);
+    assert_eq!(t.join().expect("rank 1")?, id);
+
+    // The port is taken by a store (rank 0 above): the error says so.
+    match TcpRendezvous::from_launch(&launch_of(&env_vars(0, 2, port))?, T) {
+        Err(e @ RendezvousError::AddressInUse { .. }) => {
+            let text = e.to_string();
+            assert!(text.contains("c10d TCPStore answers"), "{text}");
+            assert!(text.contains("MASTER_PORT"), "{text}");
+        }
+        other => bail!("expected AddressInUse, got {other:?}"),
+    }
+    // Taken by something else, under torchrun without the agent store.
+    let other = TcpListener::bind("0.0.0.0:0")?;
+    let taken = other.local_addr()?.port();
+    let mut torchrun = env_vars(0, 2, taken);
+    torchrun.extend([
+        ("LOCAL_WORLD_SIZE", "2".to_owned()),
+        ("TORCHELASTIC_RUN_ID", "job".to_owned()),
+        ("TORCHELASTIC_USE_AGENT_STORE", "False".to_owned()),
+    ]);
+    match TcpRendezvous::from_launch(&launch_of(&torchrun)?, T) {
+        Err(e @ RendezvousError::AddressInUse { .. }) => {
+            let text = e.to_string();
+            assert!(text.contains("another program listens"), "{text}");
+            assert!(text.contains("TORCHELASTIC_USE_AGENT_STORE=True"), "{text}");
+        }
+        other => bail!("expected AddressInUse, got {other:?}"),
+    }
+    Ok(())
+}
+
+/// Under torchrun the agent serves the store; a restarted job (the next
+/// restart count) never reads the previous attempt's id.
+#[test]
+fn torchrun_attempts_are_namespaced() -> Result<()> {
+    let agent = StoreServer::bind(loopback0(), None)?;
+    let port = agent.local_addr().port();
+    let attempt = |rank: usize, restart: u32| -> Result<TcpRendezvous> {
+        let mut vars = env_vars(rank, 2, port);
+        vars[3].1 = "127.0.0.1".to_owned();
+        vars.extend([
+            ("LOCAL_WORLD_SIZE", "2".to_owned()),
+            ("TORCHELASTIC_RUN_ID", "run-7".to_owned()),
+            ("TORCHELASTIC_RESTART_COUNT", restart.to_string()),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True".to_owned()),
+        ]);
+        Ok(TcpRendezvous::from_launch(&launch_of(&vars)?, T)?)
+    };
+    let first = attempt(0, 0)?;
+    assert!(
+        first.local_addr().is_none(),
+        "rank 0 is a client of the agent"
+    );
+    assert_eq!(first.namespace(), "metrale/run-7/attempt_0/");
+    let old_id = random_id();
+    assert_eq!(first.exchange_id(0, &mut || Ok(old_id), T)?, old_id);
+    drop(first);
+    // Attempt 1: rank 1 arrives first and must wait for attempt 1's id.
+    let rank1 = attempt(1, 1)?;
+    let early = rank1.exchange_id(0, &mut || panic!("rank 1"), Duration::from_millis(200));
+    assert!(
+        matches!(early, Err(RendezvousError::Timeout { .. })),
+        "{early:?}"
+    );
+    let new_id = random_id();
+    let t = std::thread::spawn(move || rank1.exchange_id(0, &mut || panic!("rank 1"), T));
+    let rank0 = attempt(0, 1)?;
+    assert_eq!(rank0.exchange_id(0, &mut || Ok(new_id), T)?, new_id);
+    assert_eq!(t.join().expect("rank 1")?, new_id);
+    assert_ne!(old_id, new_id);
+    Ok(())
+}
+
 #[test]
 fn file_rendezvous_four_ranks() -> Result<()> {
     let dir = temp_dir("file");
@@ -557,14 +635,6 @@ fn url_parsing() {
         rendezvous_from_url("file:///tmp/x?rank=4&world_size=4", T),
         Err(RendezvousError::BadEnv { var: "RANK", .. })
     ));
-}
-
-fn lookup(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-    let map: HashMap<String, String> = vars
-        .iter()
-        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-        .collect();
-    move |k| map.get(k).cloned()
 }
 
 #[test]

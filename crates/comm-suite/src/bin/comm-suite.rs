@@ -11,8 +11,9 @@ use comm_suite::orchestrator::{self, Opts};
 
 const USAGE: &str = "\
 usage: comm-suite list
-       comm-suite run [--gpus N] [--modes threads,processes,socket] [--scenarios a,b]
-                      [--timeout SECS] [--repeat N] [--emulator]
+       comm-suite run [--gpus N] [--modes threads,processes,socket,torchrun] [--scenarios a,b]
+                      [--timeout SECS] [--repeat N] [--emulator] [--torchrun PATH]
+           (torchrun mode: --torchrun, else TORCHRUN, else /opt/torch/.venv/bin/torchrun)
        comm-suite rank --scenario NAME [--emulator]         (one rank; torchrun env)
        comm-suite threads --world N --scenario NAME [--timeout SECS] [--emulator]
 ";
@@ -45,6 +46,7 @@ fn real_main(args: &[String]) -> anyhow::Result<i32> {
         timeout: Duration::from_secs(120),
         emulator: false,
         repeat: 3,
+        torchrun: orchestrator::find_torchrun(),
     };
     let mut scenario = None;
     let mut world = 2usize;
@@ -67,6 +69,10 @@ fn real_main(args: &[String]) -> anyhow::Result<i32> {
             }
             "--timeout" => opts.timeout = Duration::from_secs(val()?.parse()?),
             "--repeat" => opts.repeat = val()?.parse()?,
+            "--torchrun" => {
+                let path = std::path::PathBuf::from(val()?);
+                opts.torchrun = path.is_file().then_some(path);
+            }
             "--scenario" => scenario = Some(val()?.clone()),
             "--world" => world = val()?.parse()?,
             "--emulator" => opts.emulator = true,

@@ -218,7 +218,12 @@ pub fn split_concurrent(ctx: &RankCtx) -> anyhow::Result<()> {
         none.is_some() == (r % 2 == 0),
         "split without a color returned a backend, or with one returned none"
     );
+    // A communicator is torn down only while no peer can be waiting for
+    // this rank on another one (NCCL's teardown waits for the GPUs that map
+    // its buffers): every rank is idle at the barrier.
+    ctx.barrier("before dropping the second split")?;
     drop(none);
+    ctx.barrier("second split dropped")?;
     ctx.step("parent all_reduce after the splits");
     let inputs: Vec<Vec<f32>> = (0..w).map(|k| random_vec(seed, k, 99, 1000)).collect();
     let mut buf = DeviceBuffer::from_host(&c, &inputs[r])?;
@@ -231,6 +236,7 @@ pub fn split_concurrent(ctx: &RankCtx) -> anyhow::Result<()> {
         exact(ctx),
         w,
     )?;
+    ctx.barrier("before the sub-group's shutdown")?;
     child.shutdown()?;
     parent.shutdown()?;
     Ok(())

@@ -72,22 +72,15 @@ impl Inner {
     }
 
     /// Waits, until `deadline`, for all work the backend enqueued: its own
-    /// and comm streams, the last fast path that used the scratch buffer
+    /// stream, the last fast path that used the scratch buffer
     /// (possibly on a caller's stream), and every watched submission.
     fn drain(&self, slot: &Slot, deadline: Instant) -> nccl_safe::Result<()> {
         let left = || deadline.saturating_duration_since(Instant::now());
-        for s in [&slot.stream, &slot.comm_stream] {
-            s.wait_until_idle(left())?;
-        }
+        slot.stream.wait_until_idle(left())?;
         if slot.scratch_stream.is_some() {
             slot.scratch_free.wait_with_deadline(left())?;
         }
-        let events: Vec<Arc<Event>> = self
-            .watched
-            .lock()
-            .iter()
-            .map(|w| w.event.clone())
-            .collect();
+        let events: Vec<Arc<Event>> = self.watched.lock().events();
         for ev in events {
             ev.wait_with_deadline(left())?;
         }
@@ -127,7 +120,7 @@ impl NcclBackend {
             .comm(OP)
             .map_err(|source| CommError::Refused { op: OP, source })?;
         let seq = inner.recorder.record(OP, "-", 0, 0, None);
-        let child = inner.in_nccl(OP, seq, || comm.split(color, key));
+        let child = inner.in_nccl(seq, || comm.split(color, key));
         drop(slot);
         let child = match child {
             Ok(Some(child)) => child,

@@ -17,9 +17,11 @@
 //!   and the asynchronous-error query, through nccl-safe's `AbortHandle`,
 //!   which NCCL allows from another thread and which never touches a
 //!   destroyed communicator.
-//! - Lock order: `slot`, then `watched`, then `event_pool`; `abort`,
-//!   `in_call` and `idle_pending` are leaves (held for a copy or a swap,
-//!   never across another lock). The watchdog never takes `slot`.
+//! - Lock order: `slot`, then `watched`, then `event_pool`; `abort` and
+//!   `idle_pending` are leaves (held for a copy or a swap, never across
+//!   another lock). The watchdog never takes `slot`, and holds `watched`
+//!   only to copy or pop a queue's front, never across a driver call; the
+//!   call a blocking communicator is inside is published in two atomics.
 //! - Every submission is health-checked, recorded in the flight recorder,
 //!   and (unless captured into a CUDA graph or grouped) watched: a
 //!   completion event goes to the watchdog, which poisons and aborts on a
@@ -60,20 +62,16 @@ use crate::diagnostics::FlightRecorder;
 use crate::error::{CommError, Failure};
 use crate::health::Health;
 use crate::kernels;
-use crate::rendezvous::{EnvConfig, FixedIdRendezvous, Rendezvous, TcpRendezvous};
+use crate::rendezvous::{FixedIdRendezvous, Launch, Rendezvous, TcpRendezvous};
 
 pub use fast_path::AllReducePath;
-use submit::{GroupState, Watched};
+use submit::{GroupState, WatchQueues};
 
 /// The communicator and what is used with it; guarded by `Inner::slot`.
 struct Slot {
     comm: Option<Comm>,
     /// The backend's own stream (the seed's "legacy" stream).
     stream: Stream,
-    /// The stream of `all_reduce_async`.
-    comm_stream: Stream,
-    compute_done: Event,
-    comm_done: Event,
     scratch: Option<DeviceBuffer<bf16>>,
     /// Recorded after the last fast-path kernel that reads `scratch`; a
     /// fast path on another stream waits for it before its receive
@@ -115,12 +113,17 @@ struct Inner {
     abort: Mutex<Option<AbortHandle>>,
     health: Health,
     recorder: FlightRecorder,
-    watched: Mutex<Vec<Watched>>,
+    watched: Mutex<WatchQueues>,
     event_pool: Mutex<Vec<Arc<Event>>>,
     generation: AtomicU64,
-    /// The submission now inside an NCCL call on a blocking communicator,
-    /// for the watchdog: such a call has no deadline of its own.
-    in_call: Mutex<Option<submit::InCall>>,
+    /// The sequence number of the submission now inside an NCCL call on a
+    /// blocking communicator (0: none), for the watchdog: such a call has no
+    /// deadline of its own. `in_call_since_us` is when it started, in
+    /// microseconds after `born`.
+    in_call_seq: AtomicU64,
+    in_call_since_us: AtomicU64,
+    /// When the backend was made: the origin of `in_call_since_us`.
+    born: std::time::Instant,
     /// The completion event of a `recv_command_u32` enqueued and not yet
     /// seen complete: shutdown aborts such a receive at once, since only
     /// the root's next command could complete it.
@@ -170,19 +173,26 @@ impl NcclBackend {
         NcclBackend::start(inner)
     }
 
-    /// Builds a backend from torchrun's environment (`env://`): `RANK`,
-    /// `WORLD_SIZE`, `LOCAL_RANK` (the device, overriding `config.device`),
-    /// `MASTER_ADDR`, `MASTER_PORT`, and `METRALE_STORE_TOKEN` when set.
-    /// `METRALE_COMM_*` overrides apply on top of `config`.
-    pub fn from_env(config: BackendConfig) -> Result<NcclBackend> {
-        let env = EnvConfig::from_env()?;
-        let mut config = config.with_env_overrides()?;
-        config.device = env.local_rank;
-        let addr = resolve(&env.master_addr, env.master_port)?;
-        let token = std::env::var("METRALE_STORE_TOKEN")
-            .ok()
-            .filter(|t| !t.is_empty());
-        let rv = TcpRendezvous::new(env.rank, env.world_size, addr, token, config.init_timeout)?;
+    /// Builds a backend from the launcher's environment (`env://`): torchrun,
+    /// Slurm, Open MPI, MPICH / Intel MPI / PMIx, a Kubeflow PyTorchJob or
+    /// plain `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`
+    /// (`rendezvous::Launch`; precedence in docs/operations.md). The device
+    /// is the launcher's local rank, or `METRALE_COMM_DEVICE`: `config`
+    /// builds the configuration for it (`BackendConfig::new` for the
+    /// defaults) and must keep that device. `METRALE_COMM_*` overrides apply
+    /// on top. Under torchrun every rank is a client of the agent's store;
+    /// elsewhere rank 0 serves one on `MASTER_PORT`.
+    pub fn from_env(config: impl FnOnce(usize) -> BackendConfig) -> Result<NcclBackend> {
+        let launch = Launch::from_env()?;
+        let config = config(launch.device).with_env_overrides()?;
+        if config.device != launch.device {
+            return Err(CommError::Config(format!(
+                "from_env: the device is {} (from {}), but the configuration names device {}; \
+                 set METRALE_COMM_DEVICE to choose another",
+                launch.device, launch.device_from, config.device
+            )));
+        }
+        let rv = TcpRendezvous::from_launch(&launch, config.init_timeout)?;
         NcclBackend::new(config, Box::new(rv))
     }
 
@@ -313,22 +323,15 @@ impl Inner {
             group_closed: Condvar::new(),
             abort: Mutex::new(None),
             health: Health::new(),
-            watched: Mutex::new(Vec::new()),
+            watched: Mutex::new(WatchQueues::default()),
             event_pool: Mutex::new(Vec::new()),
             generation: AtomicU64::new(0),
-            in_call: Mutex::new(None),
+            in_call_seq: AtomicU64::new(0),
+            in_call_since_us: AtomicU64::new(0),
+            born: std::time::Instant::now(),
             idle_pending: Mutex::new(None),
         }))
     }
-}
-
-fn resolve(host: &str, port: u16) -> Result<std::net::SocketAddr> {
-    use std::net::ToSocketAddrs;
-    (host, port)
-        .to_socket_addrs()
-        .map_err(|e| CommError::Config(format!("MASTER_ADDR {host}:{port}: {e}")))?
-        .next()
-        .ok_or_else(|| CommError::Config(format!("MASTER_ADDR {host}:{port} resolves to nothing")))
 }
 
 impl Slot {
@@ -345,9 +348,6 @@ impl Slot {
         Ok(Slot {
             comm: None,
             stream: Stream::new(ctx).map_err(setup("stream"))?,
-            comm_stream: Stream::new(ctx).map_err(setup("stream"))?,
-            compute_done: Event::new(ctx, false).map_err(setup("event"))?,
-            comm_done: Event::new(ctx, false).map_err(setup("event"))?,
             scratch: None,
             scratch_free: Event::new(ctx, false).map_err(setup("event"))?,
             scratch_stream: None,

@@ -3,9 +3,9 @@
 //!
 //! Invariants: every check runs before anything is submitted; an empty
 //! operation submits nothing but still refuses on an unusable backend;
-//! collectives run on the backend's own stream, `all_reduce_async` on the
-//! comm stream (or the capturing caller stream), send and receive on the
-//! caller's stream.
+//! collectives run on the backend's own stream; `all_reduce_async`, send
+//! and receive on the caller's stream, which orders them with the caller's
+//! work without an event between streams.
 
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
@@ -249,40 +249,17 @@ impl CommBackend for NcclBackend {
             bytes: s.bytes(),
             peer: None,
         };
-        let compute = compute_stream.as_raw();
-        inner.check_usable(OP)?;
-        if inner.is_capturing(compute, OP)? {
-            // Under capture: everything on the capturing stream, nothing
-            // waits on the host, no event is queried.
-            inner.submit(
-                info,
-                StreamSel::Caller(compute),
-                false,
-                |inner, slot, st, captured| {
-                    inner.all_reduce_on(slot, (s.ptr, s.len, s.dtype), st, captured)
-                },
-            )?;
-            return Ok(());
-        }
-        inner.submit(info, StreamSel::Comm, false, |inner, slot, st, _| {
-            // SAFETY: `compute` is a live stream of this context (the
-            // `StreamRef`'s contract); the comm stream is ours.
-            unsafe {
-                slot.compute_done.record_raw(compute)?;
-                slot.compute_done.wait_raw(st)?;
-            }
-            inner.all_reduce_on(slot, (s.ptr, s.len, s.dtype), st, false)?;
-            if let Some(g) = slot.group.as_mut() {
-                // The group's work is launched at its end: join there.
-                g.joins.push(compute);
-                return Ok(());
-            }
-            // SAFETY: as above.
-            unsafe {
-                slot.comm_done.record_raw(st)?;
-                slot.comm_done.wait_raw(compute)
-            }
-        })?;
+        // On the caller's stream: the reduction starts after the work queued
+        // there and later work there starts after it, with no event between
+        // streams; under capture it is captured there and not watched.
+        inner.submit(
+            info,
+            StreamSel::Caller(compute_stream.as_raw()),
+            false,
+            |inner, slot, st, captured| {
+                inner.all_reduce_on(slot, (s.ptr, s.len, s.dtype), st, captured)
+            },
+        )?;
         Ok(())
     }
 
@@ -552,7 +529,6 @@ impl CommBackend for NcclBackend {
                 slot.group = Some(GroupState {
                     owner: std::thread::current().id(),
                     depth: 1,
-                    joins: Vec::new(),
                     watch: Vec::new(),
                 })
             }
@@ -580,7 +556,7 @@ impl CommBackend for NcclBackend {
             .unwrap_or_else(|| inner.recorder.last_seq());
         // The outermost group end launches the group's work (and on a
         // blocking communicator may wait there for a peer's connection).
-        let ended = inner.in_nccl(OP, first, || nccl_group_call(OP, false));
+        let ended = inner.in_nccl(first, || nccl_group_call(OP, false));
         if !outermost {
             return ended;
         }
@@ -607,20 +583,6 @@ impl CommBackend for NcclBackend {
             drop(slot);
             return Err(inner.fail(OP, first, e));
         }
-        let comm_stream = slot.comm_stream.raw();
-        for compute in group.joins {
-            // SAFETY: the compute streams came from `StreamRef`s of
-            // all_reduce_async calls: live streams of this context.
-            let joined = unsafe {
-                slot.comm_done
-                    .record_raw(comm_stream)
-                    .and_then(|()| slot.comm_done.wait_raw(compute))
-            };
-            if let Err(e) = joined {
-                drop(slot);
-                return Err(inner.fail(OP, first, e));
-            }
-        }
         drop(slot);
         let deadline = Instant::now() + inner.config.collective_timeout;
         for w in group.watch {
@@ -644,20 +606,23 @@ impl CommBackend for NcclBackend {
                 .map(Comm::abort_handle)
                 .ok_or(CommError::Shutdown { op: OP })?;
             let generation = inner.generation.load(Ordering::Acquire);
-            let mut tickets = Vec::with_capacity(2);
-            for s in [&slot.stream, &slot.comm_stream] {
-                let event = inner.take_event()?;
-                event
-                    .record(s)
-                    .map_err(|source| CommError::Refused { op: OP, source })?;
-                tickets.push(Ticket {
+            let event = inner.take_event()?;
+            event
+                .record(&slot.stream)
+                .map_err(|source| CommError::Refused { op: OP, source })?;
+            // The work on callers' streams (all_reduce_async, send, receive):
+            // the newest watched event of each such stream.
+            let mut events = vec![event];
+            events.extend(inner.watched.lock().newest_events());
+            events
+                .into_iter()
+                .map(|event| Ticket {
                     seq,
                     event,
                     generation,
                     comm: comm.clone(),
-                });
-            }
-            tickets
+                })
+                .collect::<Vec<_>>()
         };
         for ticket in &tickets {
             inner.wait(OP, ticket, false)?;

@@ -12,6 +12,7 @@
 //! - Only the thread that opened a group submits while it is open; other
 //!   threads wait on `group_closed` (bounded by the collective timeout).
 
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::thread::ThreadId;
@@ -38,6 +39,7 @@ pub(super) struct Ticket {
 }
 
 /// A submission the watchdog waits for.
+#[derive(Clone)]
 pub(super) struct Watched {
     pub(super) seq: u64,
     pub(super) op: &'static str,
@@ -47,21 +49,92 @@ pub(super) struct Watched {
     pub(super) deadline: Option<Instant>,
 }
 
-/// A call inside NCCL on a blocking communicator, for the watchdog.
-#[derive(Clone, Copy)]
-pub(super) struct InCall {
-    pub(super) op: &'static str,
-    pub(super) seq: u64,
-    pub(super) since: Instant,
+/// The watched submissions, one queue per stream in submission order.
+/// Work on one stream completes in order, so only a queue's front needs
+/// asking: the watchdog's work per tick is one query per stream plus one
+/// per completion, whatever the number in flight.
+#[derive(Default)]
+pub(super) struct WatchQueues {
+    queues: HashMap<usize, VecDeque<Watched>>,
+}
+
+impl WatchQueues {
+    pub(super) fn push(&mut self, stream: CUstream, w: Watched) {
+        self.queues.entry(stream as usize).or_default().push_back(w);
+    }
+
+    /// The streams with watched work.
+    pub(super) fn streams(&self) -> Vec<usize> {
+        self.queues.keys().copied().collect()
+    }
+
+    /// The oldest watched submission on `stream`.
+    pub(super) fn front(&self, stream: usize) -> Option<Watched> {
+        self.queues.get(&stream).and_then(|q| q.front().cloned())
+    }
+
+    /// The first submission on `stream` that has a deadline (the front,
+    /// unless an idle command receive is ahead of it).
+    pub(super) fn first_with_deadline(&self, stream: usize) -> Option<Watched> {
+        self.queues
+            .get(&stream)
+            .and_then(|q| q.iter().find(|w| w.deadline.is_some()).cloned())
+    }
+
+    /// Removes the front of `stream` if it is `seq`; drops empty queues.
+    pub(super) fn pop(&mut self, stream: usize, seq: u64) {
+        if let Some(q) = self.queues.get_mut(&stream) {
+            if q.front().is_some_and(|w| w.seq == seq) {
+                q.pop_front();
+            }
+            if q.is_empty() {
+                self.queues.remove(&stream);
+            }
+        }
+    }
+
+    /// Every watched submission's event.
+    pub(super) fn events(&self) -> Vec<Arc<Event>> {
+        self.queues
+            .values()
+            .flatten()
+            .map(|w| w.event.clone())
+            .collect()
+    }
+
+    /// The oldest watched submission of `generation` that has a deadline.
+    pub(super) fn oldest(&self, generation: u64) -> Option<(&'static str, u64)> {
+        self.queues
+            .values()
+            .flatten()
+            .filter(|w| w.generation == generation && w.deadline.is_some())
+            .min_by_key(|w| w.seq)
+            .map(|w| (w.op, w.seq))
+    }
+
+    pub(super) fn clear(&mut self) {
+        self.queues.clear();
+    }
+
+    /// The newest watched event of each stream.
+    pub(super) fn newest_events(&self) -> Vec<Arc<Event>> {
+        self.queues
+            .values()
+            .filter_map(|q| q.back().map(|w| w.event.clone()))
+            .collect()
+    }
+
+    /// The number of watched submissions.
+    #[cfg(feature = "bench-internals")]
+    pub(super) fn len(&self) -> usize {
+        self.queues.values().map(VecDeque::len).sum()
+    }
 }
 
 /// A group open on one thread.
 pub(super) struct GroupState {
     pub(super) owner: ThreadId,
     pub(super) depth: usize,
-    /// Compute streams to re-join at the end (async all-reduces issued in
-    /// the group).
-    pub(super) joins: Vec<CUstream>,
     /// Submissions inside the group, watched from its end.
     pub(super) watch: Vec<GroupedOp>,
 }
@@ -77,7 +150,6 @@ pub(super) struct GroupedOp {
 #[derive(Clone, Copy)]
 pub(super) enum StreamSel {
     Own,
-    Comm,
     Caller(CUstream),
 }
 
@@ -89,6 +161,12 @@ pub(super) struct OpInfo {
     pub(super) bytes: usize,
     pub(super) peer: Option<usize>,
 }
+
+/// Completion events kept for reuse: as many as operations are usually in
+/// flight, so that a submission records a pooled event instead of creating
+/// one (`cuEventCreate` and `cuEventDestroy` cost a submission more than
+/// everything else it does).
+const EVENT_POOL_CAP: usize = 4096;
 
 /// Errors NCCL or the driver return for the call's own arguments, before
 /// anything is enqueued: they do not poison.
@@ -142,8 +220,11 @@ impl Inner {
     /// The slot, once no other thread has a group open (bounded by the
     /// collective timeout).
     pub(super) fn lock_slot(&self, op: &'static str) -> Result<MutexGuard<'_, Slot>> {
-        let me = std::thread::current().id();
         let mut slot = self.slot.lock();
+        if slot.group.is_none() {
+            return Ok(slot);
+        }
+        let me = std::thread::current().id();
         let deadline = Instant::now() + self.config.collective_timeout;
         while slot.group.as_ref().is_some_and(|g| g.owner != me) {
             if self
@@ -241,7 +322,7 @@ impl Inner {
     pub(super) fn recycle(&self, events: impl IntoIterator<Item = Arc<Event>>) {
         let mut pool = self.event_pool.lock();
         for ev in events {
-            if Arc::strong_count(&ev) == 1 && pool.len() < 64 {
+            if Arc::strong_count(&ev) == 1 && pool.len() < EVENT_POOL_CAP {
                 pool.push(ev);
             }
         }
@@ -262,13 +343,16 @@ impl Inner {
         if let Err(e) = unsafe { event.record_raw(stream) } {
             return Err(self.fail(op, seq, e));
         }
-        self.watched.lock().push(Watched {
-            seq,
-            op,
-            generation: self.generation.load(Ordering::Acquire),
-            event: event.clone(),
-            deadline,
-        });
+        self.watched.lock().push(
+            stream,
+            Watched {
+                seq,
+                op,
+                generation: self.generation.load(Ordering::Acquire),
+                event: event.clone(),
+                deadline,
+            },
+        );
         Ok(event)
     }
 
@@ -294,7 +378,6 @@ impl Inner {
         }
         let raw_stream = match stream {
             StreamSel::Own => slot.stream.raw(),
-            StreamSel::Comm => slot.comm_stream.raw(),
             StreamSel::Caller(s) => s,
         };
         let capturing = match stream {
@@ -308,7 +391,7 @@ impl Inner {
             raw_stream as u64,
             info.peer,
         );
-        let enqueued = self.in_nccl(op, seq, || enqueue(self, &mut slot, raw_stream, capturing));
+        let enqueued = self.in_nccl(seq, || enqueue(self, &mut slot, raw_stream, capturing));
         if let Err(e) = enqueued {
             if is_refusal(&e) {
                 self.recorder.set_state(seq, OpState::Failed);
@@ -321,6 +404,20 @@ impl Inner {
             }
             drop(slot);
             return Err(self.fail(op, seq, e));
+        }
+        // The communicator's asynchronous error after every submission (not
+        // under capture: the capturing thread may not touch other streams'
+        // state through NCCL).
+        if !capturing
+            && let Some(comm) = slot.comm.as_ref()
+            && let Err(e) = comm.async_error()
+        {
+            drop(slot);
+            return Err(CommError::Failed(self.poison(
+                op,
+                seq,
+                FailureKind::AsyncError(e),
+            )));
         }
         if capturing {
             // Captured work runs at graph launch; it is not watched.
@@ -357,17 +454,17 @@ impl Inner {
 
     /// Runs `f`, which calls NCCL for submission `seq`; on a blocking
     /// communicator the watchdog sees the call while it runs.
-    pub(super) fn in_nccl<T>(&self, op: &'static str, seq: u64, f: impl FnOnce() -> T) -> T {
+    pub(super) fn in_nccl<T>(&self, seq: u64, f: impl FnOnce() -> T) -> T {
         if self.config.enqueue != EnqueueMode::Blocking {
             return f();
         }
-        *self.in_call.lock() = Some(InCall {
-            op,
-            seq,
-            since: Instant::now(),
-        });
+        // Two atomics, no lock: the watchdog reads the sequence number, then
+        // the start; the op is named from the flight recorder by `seq`.
+        self.in_call_since_us
+            .store(self.born.elapsed().as_micros() as u64, Ordering::Release);
+        self.in_call_seq.store(seq, Ordering::Release);
         let out = f();
-        *self.in_call.lock() = None;
+        self.in_call_seq.store(0, Ordering::Release);
         out
     }
 
@@ -481,12 +578,7 @@ impl Inner {
     /// The oldest watched submission of this generation that has a deadline.
     pub(super) fn oldest_pending(&self) -> Option<(&'static str, u64)> {
         let generation = self.generation.load(Ordering::Acquire);
-        self.watched
-            .lock()
-            .iter()
-            .filter(|w| w.generation == generation && w.deadline.is_some())
-            .min_by_key(|w| w.seq)
-            .map(|w| (w.op, w.seq))
+        self.watched.lock().oldest(generation)
     }
 }
 

@@ -37,40 +37,53 @@ pub(super) fn watchdog_loop(inner: Weak<Inner>) {
 impl Inner {
     /// One pass of the watchdog: poisons on a missed deadline, a call stuck
     /// inside NCCL or an asynchronous error, and otherwise marks finished
-    /// submissions complete.
+    /// submissions complete. Per stream it asks only the oldest watched
+    /// event, and the next once that one completed: the cost of a tick does
+    /// not grow with the work in flight.
     pub(super) fn watchdog_tick(&self) {
         let now = Instant::now();
         let generation = self.generation.load(Ordering::Acquire);
         let mut expired: Option<(&'static str, u64)> = None;
         let mut failed: Option<(&'static str, u64, nccl_safe::Error)> = None;
         let mut done: Vec<(&'static str, u64, Arc<Event>)> = Vec::new();
-        {
-            let mut watched = self.watched.lock();
-            watched.retain(|w| {
-                if w.generation != generation {
-                    return false;
+        let streams = self.watched.lock().streams();
+        for stream in streams {
+            loop {
+                let Some(front) = self.watched.lock().front(stream) else {
+                    break;
+                };
+                if front.generation != generation {
+                    self.watched.lock().pop(stream, front.seq);
+                    continue;
                 }
-                match w.event.query() {
+                // The driver is asked without any lock held.
+                match front.event.query() {
                     Ok(true) => {
-                        done.push((w.op, w.seq, w.event.clone()));
-                        false
+                        self.watched.lock().pop(stream, front.seq);
+                        done.push((front.op, front.seq, front.event));
                     }
                     Ok(false) => {
-                        if w.deadline.is_some_and(|d| now >= d)
+                        let first = if front.deadline.is_some() {
+                            Some(front)
+                        } else {
+                            self.watched.lock().first_with_deadline(stream)
+                        };
+                        if let Some(w) = first
+                            && w.deadline.is_some_and(|d| now >= d)
                             && expired.is_none_or(|(_, s)| w.seq < s)
                         {
                             expired = Some((w.op, w.seq));
                         }
-                        true
+                        break;
                     }
                     Err(e) => {
-                        if failed.is_none() {
-                            failed = Some((w.op, w.seq, e));
+                        if failed.as_ref().is_none_or(|(_, s, _)| front.seq < *s) {
+                            failed = Some((front.op, front.seq, e));
                         }
-                        true
+                        break;
                     }
                 }
-            });
+            }
         }
         if self.health.is_poisoned() {
             return;
@@ -78,12 +91,18 @@ impl Inner {
         // A call stuck inside NCCL on a blocking communicator counts as
         // timed out too: poisoning aborts the communicator, which makes NCCL
         // return from it.
-        let stuck = self
-            .in_call
-            .lock()
-            .filter(|c| now.saturating_duration_since(c.since) >= self.config.collective_timeout)
-            .map(|c| (c.op, c.seq));
-        if let Some((op, seq)) = stuck.or(expired) {
+        let stuck_seq = self.in_call_seq.load(Ordering::Acquire);
+        if stuck_seq != 0 {
+            let since = self.in_call_since_us.load(Ordering::Acquire);
+            let running = (self.born.elapsed().as_micros() as u64).saturating_sub(since);
+            if running >= self.config.collective_timeout.as_micros() as u64
+                && self.in_call_seq.load(Ordering::Acquire) == stuck_seq
+            {
+                let op = self.recorder.op_of(stuck_seq).unwrap_or("nccl call");
+                expired = Some((op, stuck_seq));
+            }
+        }
+        if let Some((op, seq)) = expired {
             self.poison(
                 op,
                 seq,
@@ -116,5 +135,19 @@ impl Inner {
             self.recorder.set_state(*seq, OpState::Completed);
         }
         self.recycle(done.into_iter().map(|(_, _, ev)| ev));
+    }
+}
+
+#[cfg(feature = "bench-internals")]
+impl super::NcclBackend {
+    /// Runs one watchdog pass on the calling thread (benchmarks of its cost;
+    /// not part of the API).
+    pub fn watchdog_tick_for_bench(&self) {
+        self.inner.watchdog_tick();
+    }
+
+    /// The number of submissions the watchdog watches (benchmarks).
+    pub fn watched_for_bench(&self) -> usize {
+        self.inner.watched.lock().len()
     }
 }

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use super::{
     BarrierCounters, ID_LEN, Rendezvous, RendezvousError, check_rank, deadline_after,
-    exchange_id_via,
+    exchange_id_via, uid_key,
 };
 
 const POLL: Duration = Duration::from_millis(2);
@@ -127,7 +127,7 @@ impl Rendezvous for FileRendezvous {
     ) -> Result<[u8; ID_LEN], RendezvousError> {
         exchange_id_via(
             self.rank,
-            generation,
+            uid_key("metrale/", generation),
             make,
             |k, v| self.set(k, v),
             |k| self.get(k, timeout),

@@ -1,31 +1,39 @@
 //! How ranks agree on NCCL unique ids and meet at barriers.
 //!
 //! Nothing here touches NCCL: ids are plain `[u8; 128]`. Two transports:
-//! [`TcpRendezvous`] (rank 0 serves a small key-value store, [`StoreServer`],
-//! and every rank talks to it through a [`StoreClient`]) and
+//! [`TcpRendezvous`] over a c10d TCPStore (PyTorch's store protocol: a
+//! launcher's store such as torchrun's agent's, or a [`StoreServer`] that
+//! rank 0 serves; every rank talks to it through a [`StoreClient`]) and
 //! [`FileRendezvous`] (a directory shared by the ranks of one machine).
-//! [`rendezvous_from_url`] picks one from `env://`, `file:///dir` or
-//! `tcp://host:port`.
+//! [`Launch`] reads which launcher started the process; [`rendezvous_from_url`]
+//! picks a transport from `env://`, `file:///dir` or `tcp://host:port`.
 //!
-//! Invariants: keys are namespaced under `metrale/`; the id of generation
-//! `g` lives under `metrale/uid/{g}` and is written once, by rank 0; a
-//! barrier name may be reused, each use getting its own key through a
-//! per-name counter that advances identically on every rank; every wait is
-//! bounded by a caller-given timeout.
+//! Invariants: keys are namespaced (`metrale/`, under torchrun
+//! `metrale/{run id}/attempt_{restart}/`); the id of generation `g` lives
+//! under `{namespace}uid/{g}` and is written once, by rank 0; a barrier name
+//! may be reused, each use getting its own keys through a per-name counter
+//! that advances identically on every rank; every wait is bounded by a
+//! caller-given timeout.
 
+mod client;
 mod file;
 mod fixed;
-mod store;
+mod launcher;
+pub mod nodelist;
+mod proto;
+mod queries;
+mod server;
 mod tcp;
-mod wire;
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+pub use client::{DEFAULT_IO_TIMEOUT, StoreClient};
 pub use file::FileRendezvous;
 pub use fixed::FixedIdRendezvous;
-pub use store::{DEFAULT_IDLE_LIMIT, DEFAULT_IO_TIMEOUT, StoreClient, StoreServer};
+pub use launcher::{DEFAULT_PORT, DEVICE_ENV, Launch, LaunchError, Launcher, StoreRole};
+pub use server::{DEFAULT_IDLE_LIMIT, StoreLimits, StoreServer, StoreStats};
 pub use tcp::TcpRendezvous;
 
 /// The length of an NCCL unique id.
@@ -78,7 +86,25 @@ pub enum RendezvousError {
     /// Rank 0 could not create the unique id (its message).
     #[error("creating the unique id failed: {0}")]
     MakeId(String),
+    /// The store's port is taken.
+    #[error("the store's address {addr} is already in use: {holder}; {hint}")]
+    AddressInUse {
+        /// The address rank 0 tried to bind.
+        addr: SocketAddr,
+        /// Who answers there, as far as a probe could tell.
+        holder: String,
+        /// What to do.
+        hint: String,
+    },
+    /// The launcher's variables are missing or contradictory.
+    #[error(transparent)]
+    Launch(#[from] LaunchError),
 }
+
+/// What to do about a taken store port, in general.
+pub(crate) const ADDRESS_IN_USE_HINT: &str = "if a launcher serves a store there (torchrun's \
+    agent does, and says so with TORCHELASTIC_USE_AGENT_STORE=True), every rank must be its \
+    client; otherwise another job holds the port: choose another MASTER_PORT or stop that job";
 
 impl RendezvousError {
     pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
@@ -122,12 +148,11 @@ pub(crate) fn deadline_after(timeout: Duration) -> Instant {
 /// wait for that key.
 pub(crate) fn exchange_id_via(
     rank: usize,
-    generation: u64,
+    key: String,
     make: &mut dyn FnMut() -> Result<[u8; ID_LEN], String>,
     set: impl FnOnce(&str, &[u8]) -> Result<(), RendezvousError>,
     get: impl FnOnce(&str) -> Result<Vec<u8>, RendezvousError>,
 ) -> Result<[u8; ID_LEN], RendezvousError> {
-    let key = uid_key(generation);
     if rank == 0 {
         let made = make();
         set(&key, &encode_uid(&made))?;
@@ -136,9 +161,9 @@ pub(crate) fn exchange_id_via(
     decode_uid(&get(&key)?)
 }
 
-/// The key of generation `generation`'s unique id.
-pub(crate) fn uid_key(generation: u64) -> String {
-    format!("metrale/uid/{generation}")
+/// The key of generation `generation`'s unique id under `namespace`.
+pub(crate) fn uid_key(namespace: &str, generation: u64) -> String {
+    format!("{namespace}uid/{generation}")
 }
 
 /// Encodes rank 0's outcome: tag 0 and the id, or tag 1 and the error.
@@ -177,7 +202,8 @@ pub(crate) fn decode_uid(bytes: &[u8]) -> Result<[u8; ID_LEN], RendezvousError> 
     }
 }
 
-/// torchrun's variables.
+/// The plain `env://` variables, read without launcher detection (see
+/// [`Launch`] for that).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EnvConfig {
     /// `RANK`.
@@ -283,7 +309,7 @@ impl EnvConfig {
     }
 }
 
-fn resolve(host: &str, port: u16) -> Result<SocketAddr, RendezvousError> {
+pub(crate) fn resolve(host: &str, port: u16) -> Result<SocketAddr, RendezvousError> {
     let host = host.trim_start_matches('[').trim_end_matches(']');
     (host, port)
         .to_socket_addrs()
@@ -299,7 +325,7 @@ fn token_from_env() -> Option<String> {
 /// A parsed rendezvous URL (see [`rendezvous_from_url`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RendezvousSpec {
-    /// `env://`: torchrun's variables.
+    /// `env://`: the launcher's variables ([`Launch`]).
     Env,
     /// `file:///abs/dir[?rank=R&world_size=W]`.
     File {
@@ -415,8 +441,9 @@ fn rank_world_or_env(
     Ok((rank, world_size))
 }
 
-/// Builds the rendezvous named by `url`: `env://` (torchrun's variables and
-/// `METRALE_STORE_TOKEN`), `file:///abs/dir` or `tcp://host:port` (rank and
+/// Builds the rendezvous named by `url`: `env://` (the launcher's variables,
+/// [`Launch`], and `METRALE_STORE_TOKEN`), `file:///abs/dir` or
+/// `tcp://host:port` (rank 0 serves on that port, on every address; rank and
 /// world size from `?rank=R&world_size=W`, else `RANK` and `WORLD_SIZE`).
 /// `timeout` bounds connecting to the store.
 pub fn rendezvous_from_url(
@@ -424,17 +451,10 @@ pub fn rendezvous_from_url(
     timeout: Duration,
 ) -> Result<Box<dyn Rendezvous>, RendezvousError> {
     match RendezvousSpec::parse(url)? {
-        RendezvousSpec::Env => {
-            let cfg = EnvConfig::from_env()?;
-            let addr = cfg.master_socket_addr()?;
-            Ok(Box::new(TcpRendezvous::new(
-                cfg.rank,
-                cfg.world_size,
-                addr,
-                token_from_env(),
-                timeout,
-            )?))
-        }
+        RendezvousSpec::Env => Ok(Box::new(TcpRendezvous::from_launch(
+            &Launch::from_env()?,
+            timeout,
+        )?)),
         RendezvousSpec::File {
             dir,
             rank,
@@ -451,11 +471,15 @@ pub fn rendezvous_from_url(
         } => {
             let (rank, world_size) = rank_world_or_env(rank, world_size)?;
             let addr = resolve(&host, port)?;
-            Ok(Box::new(TcpRendezvous::new(
+            // Rank 0 serves on every address of the host's family, as env:// does.
+            let serve = (rank == 0).then(|| launcher::bind_addr(addr));
+            Ok(Box::new(TcpRendezvous::build(
                 rank,
                 world_size,
+                serve,
                 addr,
                 token_from_env(),
+                "metrale/",
                 timeout,
             )?))
         }

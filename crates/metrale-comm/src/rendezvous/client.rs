@@ -1,0 +1,543 @@
+//! [`StoreClient`]: a c10d TCPStore client (`proto`), for a store of ours
+//! and for a launcher's (torchrun's agent store is PyTorch's).
+//!
+//! A connection starts with `VALIDATE`, then (with a token) `METRALE_AUTH`,
+//! then a `PING`; its echo proves the server is a TCPStore and alive.
+//!
+//! Invariants:
+//! - Every exchange has a deadline: connecting retries with jittered,
+//!   doubling backoff (10 ms to 1 s) until the caller's deadline, and a
+//!   connection lost in the middle of an idempotent query (set, get, wait,
+//!   check, multi-get, multi-set, compare-set, key count, ping) is replaced
+//!   and the query sent again within the same deadline. `add`, `append`
+//!   and `delete_key` are not sent again once sent.
+//! - A `SET`, `MULTI_SET` or `APPEND` is followed by a `PING` on the same
+//!   connection: the store answers queries in order, so the echo proves it
+//!   applied the set (the protocol has no reply for it); a store of ours
+//!   that refused it (full) answers with the nonce's complement.
+//! - A wait that reaches its deadline sends `CANCEL_WAIT` and reads the
+//!   store's last word, so the connection stays in step; a `STOP_WAITING`
+//!   that crossed the cancel means the keys are there.
+//! - A connection unused for half of a store's idle limit is replaced before
+//!   use (a store of ours closes idle connections), and a query that is
+//!   sent only once goes on a connection a `PING` just proved alive.
+//! - A store of ours with a token answers the `PING` of a client without
+//!   one with the nonce's complement: [`RendezvousError::Unauthorized`].
+//! - Replies are bounded (64 MiB a value) and allocated as they arrive.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::proto::{self, Query, WireError, query};
+use super::{RendezvousError, TOKEN_ENV};
+
+/// The default limit for a client's non-waiting request.
+pub const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(30);
+/// Replace a connection unused for this long.
+const STALE_AFTER: Duration = Duration::from_secs(300);
+/// The largest value a reply may carry.
+const MAX_REPLY_VALUE: usize = 64 << 20;
+/// Connecting within a query's deadline gets at least this long.
+const MIN_CONNECT: Duration = Duration::from_secs(1);
+/// Connecting again after a store closed the connection at `METRALE_AUTH`.
+const AUTH_CLOSED_TRIES: u32 = 3;
+
+/// What went wrong in one exchange.
+enum Fail {
+    /// The transport failed: reconnect, and send again if idempotent.
+    Transport(std::io::Error),
+    /// The exchange failed; the connection is out of step: drop it.
+    Fatal(RendezvousError),
+    /// The exchange failed; the connection is still in step.
+    Clean(RendezvousError),
+}
+
+fn wire(e: WireError) -> Fail {
+    match e {
+        WireError::Io(e) => Fail::Transport(e),
+        WireError::Malformed(m) | WireError::Refused(m) => {
+            Fail::Fatal(RendezvousError::Protocol(m))
+        }
+    }
+}
+
+fn transport(e: std::io::Error) -> Fail {
+    Fail::Transport(e)
+}
+
+struct Live {
+    stream: TcpStream,
+    used: Instant,
+}
+
+/// A client of a c10d TCPStore. `Send + Sync`: requests are serialized by
+/// an internal lock (a wait holds it for its wait).
+pub struct StoreClient {
+    addr: SocketAddr,
+    token: Option<String>,
+    io_timeout: Duration,
+    nonce: u32,
+    conn: Mutex<Option<Live>>,
+}
+
+impl std::fmt::Debug for StoreClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreClient")
+            .field("addr", &self.addr)
+            .field("token", &self.token.as_ref().map(|_| "<set>"))
+            .finish()
+    }
+}
+
+/// The loopback address of `addr`'s family when `addr` is a wildcard.
+pub(crate) fn reachable(addr: SocketAddr) -> SocketAddr {
+    let mut a = addr;
+    if a.ip().is_unspecified() {
+        a.set_ip(match a.ip() {
+            IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        });
+    }
+    a
+}
+
+/// Says who answers on `addr`, for an "address in use" error.
+pub(crate) fn describe_holder(addr: SocketAddr) -> String {
+    let target = reachable(addr);
+    let Ok(mut s) = TcpStream::connect_timeout(&target, Duration::from_millis(500)) else {
+        return "nothing answers on it from this host (a socket still closing, or a \
+                listener of the other address family)"
+            .to_owned();
+    };
+    let nonce: u32 = rand::random();
+    let mut q = Query::new(query::VALIDATE)
+        .u32(proto::VALIDATION_MAGIC)
+        .bytes()
+        .to_vec();
+    q.extend_from_slice(Query::new(query::PING).u32(nonce).bytes());
+    let deadline = proto::after(Duration::from_secs(1));
+    let answers = s.set_write_timeout(Some(Duration::from_secs(1))).is_ok()
+        && proto::send(&mut s, &q).is_ok()
+        && proto::read_u32_by(&mut s, deadline).is_ok_and(|echo| echo == nonce);
+    if answers {
+        "a c10d TCPStore answers on it (torchrun's agent, a PyTorch rank 0, or the rank 0 \
+         of another job)"
+            .to_owned()
+    } else {
+        "another program listens on it (it does not answer as a c10d TCPStore)".to_owned()
+    }
+}
+
+fn sleep_backoff(pause: &mut Duration, deadline: Instant) {
+    let left = deadline.saturating_duration_since(Instant::now());
+    let jittered = pause.mul_f64(rand::random_range(0.5..1.5));
+    std::thread::sleep(jittered.min(left));
+    *pause = (*pause * 2).min(Duration::from_secs(1));
+}
+
+impl StoreClient {
+    /// Connects to the store at `addr`, retrying until `timeout` (rank 0
+    /// may start later), and presents `token` when given (a store of ours
+    /// with a token requires it; a PyTorch store refuses any).
+    pub fn connect(
+        addr: SocketAddr,
+        token: Option<String>,
+        timeout: Duration,
+    ) -> Result<StoreClient, RendezvousError> {
+        let client = StoreClient {
+            addr,
+            token: token.filter(|t| !t.is_empty()),
+            io_timeout: DEFAULT_IO_TIMEOUT,
+            nonce: rand::random(),
+            conn: Mutex::new(None),
+        };
+        let live = client.open(proto::after(timeout))?;
+        *client.conn.lock() = Some(live);
+        Ok(client)
+    }
+
+    /// The server's address.
+    pub fn server_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    fn open(&self, deadline: Instant) -> Result<Live, RendezvousError> {
+        let mut pause = Duration::from_millis(10);
+        let mut auth_closed = 0;
+        loop {
+            let err = match self.try_open(deadline) {
+                Ok(live) => return Ok(live),
+                Err(Fail::Fatal(e) | Fail::Clean(e)) => return Err(e),
+                Err(Fail::Transport(e)) => e,
+            };
+            if err.kind() == std::io::ErrorKind::ConnectionAborted {
+                auth_closed += 1;
+                if auth_closed >= AUTH_CLOSED_TRIES {
+                    return Err(RendezvousError::Protocol(format!(
+                        "the store at {} closes the connection at this client's \
+                         {TOKEN_ENV} proof: it is a PyTorch store (torchrun's agent \
+                         store, for one), which has no authentication; unset \
+                         {TOKEN_ENV} for it",
+                        self.addr
+                    )));
+                }
+            }
+            tracing::trace!(addr = %self.addr, error = %err, "store not reachable yet");
+            if Instant::now() >= deadline {
+                return Err(RendezvousError::io(
+                    format!(
+                        "connecting to the store at {} (gave up at the deadline)",
+                        self.addr
+                    ),
+                    err,
+                ));
+            }
+            sleep_backoff(&mut pause, deadline);
+        }
+    }
+
+    fn try_open(&self, deadline: Instant) -> Result<Live, Fail> {
+        let now = Instant::now();
+        let budget = deadline
+            .saturating_duration_since(now)
+            .clamp(Duration::from_millis(10), Duration::from_secs(5));
+        let mut stream = TcpStream::connect_timeout(&self.addr, budget).map_err(transport)?;
+        stream.set_nodelay(true).map_err(transport)?;
+        stream
+            .set_write_timeout(Some(self.io_timeout))
+            .map_err(transport)?;
+        let shake = deadline
+            .max(now + Duration::from_secs(1))
+            .min(now + self.io_timeout);
+        let mut q = Query::new(query::VALIDATE)
+            .u32(proto::VALIDATION_MAGIC)
+            .bytes()
+            .to_vec();
+        if let Some(token) = &self.token {
+            q.extend_from_slice(
+                Query::new(query::METRALE_AUTH)
+                    .blob(token.as_bytes())
+                    .bytes(),
+            );
+        }
+        q.extend_from_slice(Query::new(query::PING).u32(self.nonce).bytes());
+        proto::send(&mut stream, &q).map_err(transport)?;
+        if self.token.is_some() {
+            match proto::read_u8_by(&mut stream, shake) {
+                Ok(proto::AUTH_OK) => {}
+                Ok(proto::AUTH_REFUSED) => return Err(Fail::Fatal(RendezvousError::Unauthorized)),
+                Ok(other) => {
+                    return Err(Fail::Fatal(RendezvousError::Protocol(format!(
+                        "METRALE_AUTH answered {other}"
+                    ))));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::TimedOut => return Err(transport(e)),
+                Err(e) => {
+                    return Err(Fail::Transport(std::io::Error::new(
+                        std::io::ErrorKind::ConnectionAborted,
+                        format!("closed at the token proof: {e}"),
+                    )));
+                }
+            }
+        }
+        let echo = proto::read_u32_by(&mut stream, shake).map_err(transport)?;
+        if self.token.is_none() && echo == !self.nonce {
+            // A store of ours with a token says so this way.
+            return Err(Fail::Fatal(RendezvousError::Unauthorized));
+        }
+        if echo != self.nonce {
+            return Err(Fail::Fatal(RendezvousError::Protocol(format!(
+                "PING answered {echo:#x}, not this client's nonce: the peer is not a c10d TCPStore"
+            ))));
+        }
+        Ok(Live {
+            stream,
+            used: Instant::now(),
+        })
+    }
+
+    /// Runs `op` on a live connection by `deadline`, reconnecting (and,
+    /// when `retry`, running it again) after a transport failure.
+    fn call<T>(
+        &self,
+        what: &str,
+        deadline: Instant,
+        retry: bool,
+        mut op: impl FnMut(&mut TcpStream, Instant) -> Result<T, Fail>,
+    ) -> Result<T, RendezvousError> {
+        let mut guard = self.conn.lock();
+        let mut pause = Duration::from_millis(10);
+        loop {
+            if guard
+                .as_ref()
+                .is_none_or(|live| live.used.elapsed() >= STALE_AFTER)
+            {
+                *guard = None;
+                *guard = Some(self.open(deadline.max(proto::after(MIN_CONNECT)))?);
+            }
+            let Some(live) = guard.as_mut() else {
+                return Err(RendezvousError::Closed);
+            };
+            if !retry {
+                // A query sent only once goes on a connection just proven
+                // alive: the store may have closed an idle one.
+                if let Err(e) = self.ping_on(&mut live.stream) {
+                    tracing::debug!(error = %e, what, "store connection gone; reconnecting");
+                    *guard = None;
+                    continue;
+                }
+            }
+            match op(&mut live.stream, deadline) {
+                Ok(v) => {
+                    live.used = Instant::now();
+                    return Ok(v);
+                }
+                Err(Fail::Clean(e)) => {
+                    live.used = Instant::now();
+                    return Err(e);
+                }
+                Err(Fail::Fatal(e)) => {
+                    *guard = None;
+                    return Err(e);
+                }
+                Err(Fail::Transport(e)) => {
+                    *guard = None;
+                    if !retry || Instant::now() >= deadline {
+                        return Err(RendezvousError::io(
+                            format!("{what} at the store {}", self.addr),
+                            e,
+                        ));
+                    }
+                    tracing::debug!(error = %e, what, "store connection lost; sending again");
+                    sleep_backoff(&mut pause, deadline);
+                }
+            }
+        }
+    }
+
+    fn ping_on(&self, stream: &mut TcpStream) -> std::io::Result<()> {
+        proto::send(stream, Query::new(query::PING).u32(self.nonce).bytes())?;
+        let echo = proto::read_u32_by(stream, self.io_deadline())?;
+        if echo == self.nonce {
+            Ok(())
+        } else {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("PING answered {echo:#x}"),
+            ))
+        }
+    }
+
+    fn io_deadline(&self) -> Instant {
+        proto::after(self.io_timeout)
+    }
+
+    /// Sends `q` and a `PING`; the echo proves the store applied `q`.
+    fn send_confirmed(&self, stream: &mut TcpStream, q: Query) -> Result<(), Fail> {
+        let mut bytes = q.bytes().to_vec();
+        bytes.extend_from_slice(Query::new(query::PING).u32(self.nonce).bytes());
+        proto::send(stream, &bytes).map_err(transport)?;
+        let echo = proto::read_u32_by(stream, self.io_deadline()).map_err(transport)?;
+        if echo == !self.nonce {
+            return Err(Fail::Fatal(RendezvousError::Protocol(format!(
+                "the store at {} refused the query: it is full or the value is over its \
+                 limit (see the store's log)",
+                self.addr
+            ))));
+        }
+        if echo != self.nonce {
+            return Err(Fail::Fatal(RendezvousError::Protocol(format!(
+                "PING answered {echo:#x}, not this client's nonce"
+            ))));
+        }
+        Ok(())
+    }
+
+    fn read_value(&self, stream: &mut TcpStream) -> Result<Vec<u8>, Fail> {
+        let deadline = self.io_deadline();
+        let len = proto::read_len_by(stream, deadline, MAX_REPLY_VALUE, "value").map_err(wire)?;
+        proto::read_blob_by(stream, deadline, len, |_| Ok(())).map_err(wire)
+    }
+
+    /// Waits on `keys` until `deadline` on one connection (see the module
+    /// docs for the cancel).
+    fn wait_on(
+        &self,
+        stream: &mut TcpStream,
+        keys: &[&str],
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<(), Fail> {
+        proto::send(stream, Query::new(query::WAIT).keys(keys).bytes()).map_err(transport)?;
+        match proto::read_u8_by(stream, deadline) {
+            Ok(proto::STOP_WAITING) => return Ok(()),
+            Ok(other) => {
+                return Err(Fail::Fatal(RendezvousError::Protocol(format!(
+                    "WAIT answered {other}"
+                ))));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {}
+            Err(e) => return Err(transport(e)),
+        }
+        let timed_out = || RendezvousError::Timeout {
+            key: keys.join(", "),
+            after: timeout,
+        };
+        let io = self.io_deadline();
+        let settled = proto::send(stream, Query::new(query::CANCEL_WAIT).bytes())
+            .and_then(|()| proto::read_u8_by(stream, io))
+            .and_then(|first| match first {
+                proto::WAIT_CANCELED => Ok(false),
+                proto::STOP_WAITING => proto::read_u8_by(stream, io).map(|_| true),
+                other => Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("CANCEL_WAIT answered {other}"),
+                )),
+            });
+        match settled {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(Fail::Clean(timed_out())),
+            Err(_) => Err(Fail::Fatal(timed_out())),
+        }
+    }
+
+    /// Sets `key` to `value`, waking every wait on it.
+    pub fn set(&self, key: &str, value: &[u8]) -> Result<(), RendezvousError> {
+        let q = Query::new(query::SET).blob(key.as_bytes()).blob(value);
+        self.call("set", self.io_deadline(), true, |s, _| {
+            self.send_confirmed(s, q.clone())
+        })
+    }
+
+    /// The value of `key`, waiting up to `timeout` for it to be set.
+    pub fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, RendezvousError> {
+        let deadline = proto::after(timeout);
+        self.call("get", deadline, true, |s, deadline| {
+            self.wait_on(s, &[key], deadline, timeout)?;
+            proto::send(s, Query::new(query::GET).blob(key.as_bytes()).bytes())
+                .map_err(transport)?;
+            self.read_value(s)
+        })
+    }
+
+    /// Waits up to `timeout` until every key of `keys` exists.
+    pub fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), RendezvousError> {
+        let deadline = proto::after(timeout);
+        self.call("wait", deadline, true, |s, deadline| {
+            self.wait_on(s, keys, deadline, timeout)
+        })
+    }
+
+    /// Whether every key of `keys` exists now.
+    pub fn check(&self, keys: &[&str]) -> Result<bool, RendezvousError> {
+        let q = Query::new(query::CHECK).keys(keys);
+        self.call("check", self.io_deadline(), true, |s, _| {
+            proto::send(s, q.bytes()).map_err(transport)?;
+            match proto::read_u8_by(s, self.io_deadline()).map_err(transport)? {
+                proto::CHECK_READY => Ok(true),
+                proto::CHECK_NOT_READY => Ok(false),
+                other => Err(Fail::Fatal(RendezvousError::Protocol(format!(
+                    "CHECK answered {other}"
+                )))),
+            }
+        })
+    }
+
+    /// Adds `delta` to the counter `key` (absent counts as 0) and returns
+    /// the new value; atomic across clients. Not sent again after a
+    /// connection loss.
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64, RendezvousError> {
+        let q = Query::new(query::ADD).blob(key.as_bytes()).i64(delta);
+        self.call("add", self.io_deadline(), false, |s, _| {
+            proto::send(s, q.bytes()).map_err(transport)?;
+            let v = proto::read_u64_by(s, self.io_deadline()).map_err(transport)?;
+            Ok(v as i64)
+        })
+    }
+
+    /// Sets `key` to `desired` if it holds `expected` (or is absent and
+    /// `expected` is empty); returns what `key` holds afterwards (PyTorch's
+    /// semantics: `expected` itself when the key is absent and `expected`
+    /// is not empty).
+    pub fn compare_set(
+        &self,
+        key: &str,
+        expected: &[u8],
+        desired: &[u8],
+    ) -> Result<Vec<u8>, RendezvousError> {
+        let q = Query::new(query::COMPARE_SET)
+            .blob(key.as_bytes())
+            .blob(expected)
+            .blob(desired);
+        self.call("compare_set", self.io_deadline(), true, |s, _| {
+            proto::send(s, q.bytes()).map_err(transport)?;
+            self.read_value(s)
+        })
+    }
+
+    /// The values of `keys`, waiting up to `timeout` for all of them.
+    pub fn multi_get(
+        &self,
+        keys: &[&str],
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>, RendezvousError> {
+        let deadline = proto::after(timeout);
+        self.call("multi_get", deadline, true, |s, deadline| {
+            self.wait_on(s, keys, deadline, timeout)?;
+            proto::send(s, Query::new(query::MULTI_GET).keys(keys).bytes()).map_err(transport)?;
+            keys.iter().map(|_| self.read_value(s)).collect()
+        })
+    }
+
+    /// Sets every `(key, value)` pair.
+    pub fn multi_set(&self, pairs: &[(&str, &[u8])]) -> Result<(), RendezvousError> {
+        let mut q = Query::new(query::MULTI_SET).u64(pairs.len() as u64);
+        for (k, v) in pairs {
+            q = q.blob(k.as_bytes()).blob(v);
+        }
+        self.call("multi_set", self.io_deadline(), true, |s, _| {
+            self.send_confirmed(s, q.clone())
+        })
+    }
+
+    /// Appends `value` to `key` (creating it). Not sent again after a
+    /// connection loss.
+    pub fn append(&self, key: &str, value: &[u8]) -> Result<(), RendezvousError> {
+        let q = Query::new(query::APPEND).blob(key.as_bytes()).blob(value);
+        self.call("append", self.io_deadline(), false, |s, _| {
+            self.send_confirmed(s, q.clone())
+        })
+    }
+
+    /// Deletes `key`; whether it existed. Not sent again after a
+    /// connection loss.
+    pub fn delete_key(&self, key: &str) -> Result<bool, RendezvousError> {
+        let q = Query::new(query::DELETE_KEY).blob(key.as_bytes());
+        self.call("delete_key", self.io_deadline(), false, |s, _| {
+            proto::send(s, q.bytes()).map_err(transport)?;
+            Ok(proto::read_u64_by(s, self.io_deadline()).map_err(transport)? == 1)
+        })
+    }
+
+    /// The number of keys the store holds.
+    pub fn num_keys(&self) -> Result<i64, RendezvousError> {
+        self.call("num_keys", self.io_deadline(), true, |s, _| {
+            proto::send(s, Query::new(query::GETNUMKEYS).bytes()).map_err(transport)?;
+            Ok(proto::read_u64_by(s, self.io_deadline()).map_err(transport)? as i64)
+        })
+    }
+
+    /// A round trip to the store.
+    pub fn ping(&self) -> Result<(), RendezvousError> {
+        self.call("ping", self.io_deadline(), true, |s, _| {
+            self.ping_on(s).map_err(|e| match e.kind() {
+                std::io::ErrorKind::InvalidData => {
+                    Fail::Fatal(RendezvousError::Protocol(e.to_string()))
+                }
+                _ => Fail::Transport(e),
+            })
+        })
+    }
+}
