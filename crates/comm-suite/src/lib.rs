@@ -349,10 +349,13 @@ impl RankCtx {
     /// from `METRALE_COMM_ENQUEUE` when set (so the whole suite can run on
     /// non-blocking communicators; the default is the library's, blocking).
     pub fn config(&self) -> metrale_comm::BackendConfig {
+        // Pinned: a scenario's settings are what it checks, so only the
+        // enqueue mode below comes from the environment.
         let c = metrale_comm::BackendConfig::new(self.device)
             .with_collective_timeout(Duration::from_secs(30))
             .with_init_timeout(Duration::from_secs(30))
-            .with_dump_dir(self.dump_dir());
+            .with_dump_dir(self.dump_dir())
+            .without_env_overrides();
         match std::env::var("METRALE_COMM_ENQUEUE") {
             Ok(m) => match metrale_comm::EnqueueMode::parse(&m) {
                 Ok(mode) => c.with_enqueue(mode),

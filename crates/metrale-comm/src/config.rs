@@ -226,6 +226,10 @@ pub struct BackendConfig {
     pub watchdog_interval: Duration,
     /// How the communicator enqueues work (see [`EnqueueMode`]).
     pub enqueue: EnqueueMode,
+    /// Whether the `METRALE_COMM_*` environment overrides apply when a
+    /// backend is built from this configuration (every entry point applies
+    /// them the same way; see [`BackendConfig::with_env_overrides`]).
+    pub env_overrides: bool,
 }
 
 impl BackendConfig {
@@ -242,7 +246,16 @@ impl BackendConfig {
             dump_dir: None,
             watchdog_interval: Duration::from_millis(2),
             enqueue: EnqueueMode::default(),
+            env_overrides: true,
         }
+    }
+
+    /// This configuration exactly: the `METRALE_COMM_*` environment does
+    /// not override it when a backend is built (for code that pins a value
+    /// an operator must not change).
+    pub fn without_env_overrides(mut self) -> Self {
+        self.env_overrides = false;
+        self
     }
 
     /// Sets the enqueue mode.
@@ -321,8 +334,16 @@ impl BackendConfig {
         Ok(())
     }
 
-    /// Applies the `METRALE_COMM_*` environment overrides.
+    /// Applies the `METRALE_COMM_*` environment overrides (a no-op after
+    /// [`BackendConfig::without_env_overrides`]). Every way of building an
+    /// `NcclBackend` applies them, on top of the configuration it is given:
+    /// the precedence is defaults, then the code's configuration, then the
+    /// environment (`METRALE_COMM_DEVICE` for the device, over the
+    /// launcher's local rank).
     pub fn with_env_overrides(self) -> Result<Self, CommError> {
+        if !self.env_overrides {
+            return Ok(self);
+        }
         self.with_overrides(|k| std::env::var(k).ok())
     }
 
@@ -362,6 +383,11 @@ impl BackendConfig {
         }
         if let Some(m) = get("METRALE_COMM_ENQUEUE") {
             self.enqueue = EnqueueMode::parse(&m)?;
+        }
+        if let Some(d) = get("METRALE_COMM_DEVICE").filter(|d| !d.trim().is_empty()) {
+            self.device = d.trim().parse().map_err(|_| {
+                CommError::Config(format!("METRALE_COMM_DEVICE=`{d}` is not a device index"))
+            })?;
         }
         if let Some(d) = get("METRALE_COMM_DUMP_DIR").filter(|d| !d.is_empty()) {
             self.dump_dir = Some(PathBuf::from(d));
@@ -444,6 +470,32 @@ mod tests {
                 .with_overrides(|k| (k == "METRALE_COMM_TIMEOUT_SECS").then(|| bad.to_string()));
             assert!(matches!(r, Err(CommError::Config(_))), "{bad}");
         }
+    }
+
+    /// Every entry point's precedence: the code's configuration, then the
+    /// environment, unless the configuration opts out.
+    #[test]
+    fn environment_overrides_apply_unless_the_config_opts_out() {
+        let env: HashMap<&str, &str> = [
+            ("METRALE_COMM_DEVICE", "3"),
+            ("METRALE_COMM_ENQUEUE", "nonblocking"),
+        ]
+        .into();
+        let get = |k: &str| env.get(k).map(|v| v.to_string());
+        let c = BackendConfig::new(0)
+            .with_enqueue(EnqueueMode::Blocking)
+            .with_overrides(get)
+            .unwrap();
+        assert_eq!((c.device, c.enqueue), (3, EnqueueMode::NonBlocking));
+        let pinned = BackendConfig::new(0)
+            .with_enqueue(EnqueueMode::Blocking)
+            .without_env_overrides()
+            .with_env_overrides()
+            .unwrap();
+        assert_eq!((pinned.device, pinned.enqueue), (0, EnqueueMode::Blocking));
+        let bad = BackendConfig::new(0)
+            .with_overrides(|k| (k == "METRALE_COMM_DEVICE").then(|| "gpu1".to_string()));
+        assert!(matches!(bad, Err(CommError::Config(m)) if m.contains("METRALE_COMM_DEVICE")));
     }
 
     /// Values that cannot be meant are refused with a message naming the

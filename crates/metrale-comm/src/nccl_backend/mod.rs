@@ -159,6 +159,8 @@ fn setup(stage: &'static str) -> impl FnOnce(nccl_safe::Error) -> CommError {
 impl NcclBackend {
     /// Builds a backend for the rank the rendezvous names, agreeing on the
     /// communicator through it. Init is bounded by `config.init_timeout`.
+    /// The `METRALE_COMM_*` environment overrides `config` here as in every
+    /// constructor, unless `config.without_env_overrides()`.
     pub fn new(config: BackendConfig, rendezvous: Box<dyn Rendezvous>) -> Result<NcclBackend> {
         let rank = rendezvous.rank();
         let world_size = rendezvous.world_size();
@@ -292,6 +294,9 @@ impl Inner {
         rendezvous: Option<Box<dyn Rendezvous>>,
         ctx: Option<Arc<Context>>,
     ) -> Result<Arc<Inner>> {
+        // The same precedence whatever the entry point: the code's
+        // configuration, then the environment.
+        let config = config.with_env_overrides()?;
         config.validate()?;
         if world_size == 0 || rank >= world_size {
             return Err(CommError::Config(format!(
