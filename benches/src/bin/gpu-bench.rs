@@ -279,7 +279,8 @@ fn rank_main(
     let config = BackendConfig::new(rank)
         .with_fast_path(FastPathPolicy::Never)
         .with_enqueue(opts.enqueue)
-        .with_init_timeout(WAIT);
+        .with_init_timeout(WAIT)
+        .without_env_overrides();
     let ours = NcclBackend::with_unique_id(config, &ids[1], rank, world).context("backend")?;
     let host = vec![bf16::from_f32(1.0); 4];
     let r = Rank {

@@ -5,7 +5,9 @@
 //! `FastPathPolicy::Never` (the `ours` of every operation group) and, on 2
 //! ranks, two more with `Always` and the default policy (the path sweep),
 //! each on its own communicator; one caller stream, two bf16 buffers of the
-//! largest size, and two timing events.
+//! largest size, and two timing events. The backends' configurations are
+//! pinned (`without_env_overrides`): `METRALE_COMM_*` does not change what
+//! a group measures.
 //!
 //! Invariants:
 //! - A run times its operations between two CUDA events on the stream they
@@ -88,10 +90,13 @@ fn backend(
     id: &UniqueId,
     policy: FastPathPolicy,
 ) -> anyhow::Result<NcclBackend> {
+    // Pinned: the `METRALE_COMM_*` environment must not turn `Never` into
+    // another policy or move a rank to another device.
     let config = BackendConfig::new(rank)
         .with_fast_path(policy)
         .with_enqueue(setup.enqueue)
-        .with_init_timeout(WAIT);
+        .with_init_timeout(WAIT)
+        .without_env_overrides();
     NcclBackend::with_unique_id(config, id, rank, setup.world)
         .with_context(|| format!("backend with {policy:?}"))
 }
