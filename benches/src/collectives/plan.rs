@@ -437,4 +437,23 @@ mod tests {
                 .all(|g| g.shapes.windows(2).all(|w| w[0].bytes < w[1].bytes))
         );
     }
+
+    #[test]
+    fn a_full_run_is_as_long_as_docs_benchmarks_says() {
+        // docs/benchmarks.md times a full run from these counts.
+        let count = |world| -> usize {
+            groups(
+                Caps {
+                    world,
+                    nccl_all_to_all: true,
+                },
+                &Sizes::full(),
+            )
+            .iter()
+            .map(|g| g.shapes.len() * g.functions.len())
+            .sum()
+        };
+        assert_eq!(count(1), 242);
+        assert_eq!(count(2), 348);
+    }
 }
