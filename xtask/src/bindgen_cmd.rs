@@ -14,10 +14,11 @@ use anyhow::{Context, Result, bail};
 
 use crate::workspace_root;
 
-/// The CUDA 13.0 headers: the driver on the GPU machines is CUDA 13.0, so the
-/// versioned symbols `cuda.h` maps to must exist there.
+/// The CUDA 13.0 headers: the test machines' driver is CUDA 13.0
+/// (docs/gpu-test.md), so the versioned symbols `cuda.h` maps to must exist
+/// there.
 const CUDA_WHEEL: &str = "nvidia-cuda-runtime==13.0.96";
-/// NCCL 2.28.3 is what the GPU machines ship.
+/// NCCL 2.28.3, the test machines' NCCL (docs/gpu-test.md).
 const NCCL_WHEEL: &str = "nvidia-nccl-cu13==2.28.3";
 
 /// Driver API functions the stack uses. `cuda.h` maps most of these to a

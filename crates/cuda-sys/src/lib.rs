@@ -5,6 +5,29 @@
 //! libclang. The driver library is opened on first use by [`cuda`], from
 //! `METRALE_CUDA_LIBRARY` when set, else `libcuda.so.1`, then `libcuda.so`.
 //!
+//! Opening the driver and asking its version (on a machine without one,
+//! [`cuda`] returns the typed [`LoadError`]; under `cargo test` it opens
+//! the CPU emulator):
+//!
+//! ```
+//! # if let Ok(p) = std::env::var("METRALE_DOCTEST_EMULATOR") {
+//! #     if std::path::Path::new(&p).exists() && std::env::var_os("METRALE_CUDA_LIBRARY").is_none() {
+//! #         // SAFETY: set before any thread starts or a library is opened.
+//! #         unsafe { std::env::set_var("METRALE_CUDA_LIBRARY", &p); std::env::set_var("METRALE_NCCL_LIBRARY", &p) };
+//! #     }
+//! # }
+//! match cuda_sys::cuda() {
+//!     Ok(lib) => {
+//!         let mut version = 0;
+//!         // SAFETY: writes one int through a valid pointer.
+//!         let rc = unsafe { cuda_sys::call!(lib, cuDriverGetVersion(&mut version)) }.unwrap();
+//!         assert_eq!(rc, cuda_sys::CUresult::CUDA_SUCCESS);
+//!         println!("CUDA driver {version}");
+//!     }
+//!     Err(e) => println!("no driver: {e}"),
+//! }
+//! ```
+//!
 //! Invariants:
 //! - Every symbol is looked up once, when the library is opened; a symbol the
 //!   driver lacks is kept as an error and reported by [`call!`] as

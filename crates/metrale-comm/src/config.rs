@@ -2,9 +2,10 @@
 //! diagnostics; with the `METRALE_COMM_*` environment overrides documented in
 //! `docs/operations.md`.
 //!
-//! Invariant: [`BackendConfig::default`] keeps the collective timeout inside
-//! the seed's 10-300 s bounds; shorter values are allowed when set
-//! explicitly (tests).
+//! Invariants: the default collective timeout lies inside 10-300 s; a
+//! configuration is refused below the floors `validate` states
+//! ([`MIN_TIMEOUT`], [`MIN_SCRATCH_BYTES`], a fast-path range some payload
+//! can take).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -34,7 +35,7 @@ pub const MAX_FAST_PATH_MIN_BYTES: usize = 1 << 30;
 pub enum FastPathPolicy {
     /// NCCL's all-reduce always.
     Never,
-    /// The fast path at every size (the seed's behaviour).
+    /// The fast path at every size.
     Always,
     /// The fast path for payloads in `min_bytes..=max_bytes`.
     Range {
@@ -46,11 +47,10 @@ pub enum FastPathPolicy {
 }
 
 impl FastPathPolicy {
-    /// The default crossover on 2 H200s over NVLink, measured with
-    /// `cargo xtask bench --crossover` (`docs/benchmarks.md`): the fast path
-    /// beats NCCL's all-reduce at 2 MiB (1.20x, eager and under graph
-    /// replay), ties at 4 MiB (0.98-1.01x) and loses at 1 MiB and from
-    /// 8 MiB (0.81-0.87x); below 1 MiB it loses by a kernel launch.
+    /// The default range, 2-4 MiB: where the measured crossover of the two
+    /// paths put the fast path ahead on 2 GPUs over NVLink
+    /// (docs/decisions/0004-fast-path-by-measured-size.md; the numbers are
+    /// in docs/benchmarks.md).
     pub const DEFAULT: FastPathPolicy = FastPathPolicy::Range {
         min_bytes: 2 << 20,
         max_bytes: 4 << 20,
@@ -144,9 +144,9 @@ pub enum EnqueueMode {
     /// A non-blocking communicator: every NCCL call returns at once and is
     /// polled with a deadline, including connection set-up at a peer's
     /// first operation. NCCL starts a thread for every call on such a
-    /// communicator, which costs 55-83 µs per eager operation on H200s
-    /// (`docs/benchmarks.md`); work replayed from a CUDA graph does not pay
-    /// it. For engines that want no NCCL call to block the calling thread
+    /// communicator, tens of microseconds per eager operation
+    /// (docs/decisions/0001-blocking-communicators-by-default.md); work
+    /// replayed from a CUDA graph does not pay it. For engines that want no NCCL call to block the calling thread
     /// at all, at that price.
     NonBlocking,
     /// A blocking communicator, joined once the non-blocking init has
@@ -409,7 +409,7 @@ mod tests {
     use std::collections::HashMap;
 
     #[test]
-    fn default_timeout_is_within_the_seed_bounds() {
+    fn default_timeout_is_within_10_to_300_seconds() {
         let c = BackendConfig::new(0);
         assert!(c.collective_timeout >= Duration::from_secs(10));
         assert!(c.collective_timeout <= Duration::from_secs(300));

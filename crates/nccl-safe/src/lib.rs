@@ -1,6 +1,32 @@
 //! Safe RAII types over the CUDA driver API and NCCL, opened at run time
 //! through `cuda-sys` and `nccl-sys`.
 //!
+//! A one-rank communicator on device 0: a buffer, an all-reduce on a stream,
+//! and the result back on the host (this runs under `cargo test` on the CPU
+//! emulator, and on any GPU):
+//!
+//! ```
+//! # if let Ok(p) = std::env::var("METRALE_DOCTEST_EMULATOR") {
+//! #     if std::path::Path::new(&p).exists() && std::env::var_os("METRALE_CUDA_LIBRARY").is_none() {
+//! #         // SAFETY: set before any thread starts or a library is opened.
+//! #         unsafe { std::env::set_var("METRALE_CUDA_LIBRARY", &p); std::env::set_var("METRALE_NCCL_LIBRARY", &p) };
+//! #     }
+//! # }
+//! # fn main() -> Result<(), nccl_safe::Error> {
+//! # if nccl_safe::device_count().is_err() { eprintln!("skipped: no CUDA driver"); return Ok(()); }
+//! use nccl_safe::{Comm, Context, DeviceBuffer, ReduceOp, Stream, UniqueId};
+//!
+//! let ctx = Context::new(0)?;
+//! let stream = Stream::new(&ctx)?;
+//! let id = UniqueId::new()?; // rank 0 makes it; every rank gets the same bytes
+//! let comm = Comm::init_rank(&ctx, &id, 1, 0)?;
+//! let mut x = DeviceBuffer::from_host(&ctx, &[1.0f32, 2.0, 3.0])?;
+//! comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &stream)?;
+//! stream.synchronize()?;
+//! assert_eq!(x.to_host_vec()?, [1.0, 2.0, 3.0]); // a sum over one rank
+//! # Ok(()) }
+//! ```
+//!
 //! Invariants:
 //! - One owning type per raw handle, with a private field; `Drop` releases
 //!   the handle once, logs any error through `tracing`, and never panics.

@@ -5,6 +5,23 @@
 //! The library is opened on first use by [`nccl`], from `METRALE_NCCL_LIBRARY`
 //! when set, else `libnccl.so.2`, then `libnccl.so`.
 //!
+//! Opening NCCL and reading its version (a missing library, or one older
+//! than [`MIN_VERSION`], is a typed [`LoadError`]; under `cargo test` it
+//! opens the CPU emulator):
+//!
+//! ```
+//! # if let Ok(p) = std::env::var("METRALE_DOCTEST_EMULATOR") {
+//! #     if std::path::Path::new(&p).exists() && std::env::var_os("METRALE_CUDA_LIBRARY").is_none() {
+//! #         // SAFETY: set before any thread starts or a library is opened.
+//! #         unsafe { std::env::set_var("METRALE_CUDA_LIBRARY", &p); std::env::set_var("METRALE_NCCL_LIBRARY", &p) };
+//! #     }
+//! # }
+//! match nccl_sys::nccl() {
+//!     Ok(lib) => println!("NCCL {}", nccl_sys::version_string(lib.version())),
+//!     Err(e) => println!("no NCCL: {e}"),
+//! }
+//! ```
+//!
 //! Invariants:
 //! - NCCL older than [`MIN_VERSION`] is refused when opened
 //!   ([`LoadError::TooOld`]).

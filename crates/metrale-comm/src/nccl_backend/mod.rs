@@ -70,7 +70,7 @@ use submit::{GroupState, WatchQueues};
 /// The communicator and what is used with it; guarded by `Inner::slot`.
 struct Slot {
     comm: Option<Comm>,
-    /// The backend's own stream (the seed's "legacy" stream).
+    /// The backend's own stream, where its collectives run.
     stream: Stream,
     scratch: Option<DeviceBuffer<bf16>>,
     /// Recorded after the last fast-path kernel that reads `scratch`; a

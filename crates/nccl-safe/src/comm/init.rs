@@ -289,10 +289,8 @@ impl Comm {
         // rank can join the blocking communicator and issue work on it:
         // NCCL's teardown unmaps buffers that the peers' GPUs can access,
         // which waits for those GPUs, and a peer already running a kernel
-        // that waits for this rank never goes idle. (With the teardown after
-        // the join, two H200s in one process left one rank inside this
-        // function past its deadline while its peer ran its first
-        // collective.)
+        // that waits for this rank never goes idle
+        // (docs/decisions/0003-teardown-before-blocking-join.md).
         drop(buf);
         drop(stream);
         self.finalize_and_destroy()?;
