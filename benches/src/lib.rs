@@ -1,16 +1,19 @@
-//! Shared pieces of the metrale-comm benchmarks: the size series, the
-//! nccl-tests bandwidth formulas, trial statistics, the crossover analysis of
-//! the 2-rank all-reduce paths, and the markdown tables.
+//! The metrale-comm benchmarks: the criterion harness of the collectives
+//! ([`collectives`], run by `benches/collectives.rs`), the table generator
+//! that reads criterion's estimates ([`tables`], the `bench-tables` binary),
+//! and the pieces they share with `gpu-bench` (host time per call) and the
+//! CPU benchmarks: the size series, the nccl-tests bandwidth formulas, trial
+//! statistics and the crossover analysis of the 2-rank all-reduce paths.
 //!
-//! Everything here is plain arithmetic on host numbers, so it is unit tested
-//! on any machine; `src/bin/gpu-bench.rs` does the GPU work and
-//! `benches/cpu.rs` the criterion benchmarks.
+//! The arithmetic here is plain host numbers, so it is unit tested on any
+//! machine; the GPU work lives in [`collectives`] and `src/bin/gpu-bench.rs`.
 //!
 //! Invariants: times are microseconds per operation; bandwidths are GB/s
 //! with 1 GB = 1e9 bytes, as in nccl-tests; a [`Sample`] always holds at
-//! least one trial.
+//! least one trial; a [`Timing`] is finite and non-negative.
 
-use std::fmt::Write as _;
+pub mod collectives;
+pub mod tables;
 
 /// A collective, for choosing its bus-bandwidth factor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,8 +26,10 @@ pub enum Collective {
     ReduceScatter,
     /// Broadcast from one root.
     Broadcast,
-    /// Grouped send and receive of the size in each direction.
+    /// Send and receive of the size in each direction (a ring shift).
     SendRecv,
+    /// All-to-all; the size counts one rank's whole send array.
+    AllToAll,
 }
 
 impl Collective {
@@ -33,7 +38,9 @@ impl Collective {
         let n = ranks.max(1) as f64;
         match self {
             Collective::AllReduce => 2.0 * (n - 1.0) / n,
-            Collective::AllGather | Collective::ReduceScatter => (n - 1.0) / n,
+            Collective::AllGather | Collective::ReduceScatter | Collective::AllToAll => {
+                (n - 1.0) / n
+            }
             Collective::Broadcast | Collective::SendRecv => 1.0,
         }
     }
@@ -46,6 +53,7 @@ impl Collective {
             Collective::ReduceScatter => "reduce_scatter",
             Collective::Broadcast => "broadcast",
             Collective::SendRecv => "send_recv",
+            Collective::AllToAll => "all_to_all",
         }
     }
 }
@@ -131,21 +139,56 @@ impl Sample {
     }
 }
 
+/// A time per operation with its confidence interval, as criterion
+/// estimates it: microseconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timing {
+    /// The point estimate.
+    pub us: f64,
+    /// The interval's lower bound.
+    pub lo_us: f64,
+    /// The interval's upper bound.
+    pub hi_us: f64,
+}
+
+impl Timing {
+    /// A timing; `None` unless every value is finite and non-negative and
+    /// `lo <= point <= hi`.
+    pub fn new(us: f64, lo_us: f64, hi_us: f64) -> Option<Timing> {
+        let ok = [us, lo_us, hi_us]
+            .iter()
+            .all(|v| v.is_finite() && *v >= 0.0)
+            && lo_us <= us
+            && us <= hi_us;
+        ok.then_some(Timing { us, lo_us, hi_us })
+    }
+
+    /// The interval's width relative to the point, `(hi - lo) / point`: the
+    /// noise of this measurement.
+    pub fn noise(&self) -> f64 {
+        if self.us <= 0.0 {
+            0.0
+        } else {
+            (self.hi_us - self.lo_us) / self.us
+        }
+    }
+}
+
 /// One size of the all-reduce path comparison.
 #[derive(Debug, Clone)]
 pub struct PathPoint {
     /// Payload bytes.
     pub bytes: usize,
-    /// NCCL's all-reduce (straight through nccl-safe).
-    pub nccl: Sample,
+    /// NCCL's all-reduce.
+    pub nccl: Timing,
     /// The fast path: grouped send/recv plus the bf16 add.
-    pub fast: Sample,
+    pub fast: Timing,
 }
 
 impl PathPoint {
     /// NCCL time over fast-path time (above 1: the fast path is faster).
     pub fn speedup(&self) -> f64 {
-        self.nccl.median() / self.fast.median()
+        self.nccl.us / self.fast.us
     }
 
     /// True when the fast path beats NCCL by more than the noise of the two
@@ -227,123 +270,28 @@ pub fn human_bytes(b: usize) -> String {
     format!("{b} B")
 }
 
-/// One row of the side-by-side table: an operation at one size, ours next to
-/// raw NCCL in the same run.
-#[derive(Debug, Clone)]
-pub struct OpRow {
-    /// The collective.
-    pub op: Collective,
-    /// `eager` or `graph`.
-    pub mode: &'static str,
-    /// Size in nccl-tests' convention.
-    pub bytes: usize,
-    /// Straight through nccl-safe.
-    pub raw: Sample,
-    /// Through the `CommBackend`.
-    pub ours: Sample,
-}
-
-/// The side-by-side markdown table.
-pub fn ops_table(rows: &[OpRow], ranks: usize) -> String {
-    let mut s = String::new();
-    s.push_str(
-        "| op | mode | bytes | NCCL µs | ours µs | ours - NCCL µs | NCCL busbw GB/s | ours busbw GB/s | busbw ratio | noise % |\n",
-    );
-    s.push_str("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-    for r in rows {
-        let (t_raw, t_ours) = (r.raw.median(), r.ours.median());
-        let (b_raw, b_ours) = (
-            busbw_gbs(r.op, ranks, r.bytes, t_raw),
-            busbw_gbs(r.op, ranks, r.bytes, t_ours),
-        );
-        let ratio = if b_raw > 0.0 { b_ours / b_raw } else { 0.0 };
-        let noise = 100.0 * r.raw.noise().max(r.ours.noise());
-        let _ = writeln!(
-            s,
-            "| {} | {} | {} | {:.2} | {:.2} | {:+.2} | {:.2} | {:.2} | {:.3} | {:.1} |",
-            r.op.name(),
-            r.mode,
-            human_bytes(r.bytes),
-            t_raw,
-            t_ours,
-            t_ours - t_raw,
-            b_raw,
-            b_ours,
-            ratio,
-            noise
-        );
-    }
-    s
-}
-
-/// One size of the all-reduce path table.
-#[derive(Debug, Clone)]
-pub struct PathRow {
-    /// `eager` or `graph`.
-    pub mode: &'static str,
-    /// The two paths, raw NCCL and the fast path.
-    pub point: PathPoint,
-    /// The backend's automatic choice (default policy).
-    pub auto: Sample,
-    /// Which path the automatic choice took.
-    pub auto_path: &'static str,
-}
-
-/// The all-reduce path table.
-pub fn paths_table(rows: &[PathRow], ranks: usize) -> String {
-    let mut s = String::new();
-    s.push_str(
-        "| mode | bytes | NCCL µs | fast path µs | auto µs | auto took | fast/NCCL speedup | auto vs best | auto busbw GB/s | noise % |\n",
-    );
-    s.push_str("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|\n");
-    for r in rows {
-        let p = &r.point;
-        let best = p.nccl.median().min(p.fast.median());
-        let auto = r.auto.median();
-        let noise = 100.0 * p.nccl.noise().max(p.fast.noise()).max(r.auto.noise());
-        let _ = writeln!(
-            s,
-            "| {} | {} | {:.2} | {:.2} | {:.2} | {} | {:.3}{} | {:+.1}% | {:.2} | {:.1} |",
-            r.mode,
-            human_bytes(p.bytes),
-            p.nccl.median(),
-            p.fast.median(),
-            auto,
-            r.auto_path,
-            p.speedup(),
-            if p.fast_wins() { " (wins)" } else { "" },
-            100.0 * (auto / best - 1.0),
-            busbw_gbs(Collective::AllReduce, ranks, p.bytes, auto),
-            noise
-        );
-    }
-    s
-}
-
-/// The `--crossover` summary for one mode.
+/// The crossover summary of one all-reduce path sweep: the sizes where the
+/// fast path wins beyond the noise and the recommended policy.
 pub fn crossover_summary(mode: &str, points: &[PathPoint]) -> String {
     let c = Crossover::from_points(points);
     let sizes: Vec<String> = c.winning_sizes.iter().map(|b| human_bytes(*b)).collect();
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "- {mode}: the fast path beats NCCL beyond the noise at {}",
+    let mut s = format!(
+        "- {mode}: the fast path beats NCCL beyond the noise at {}\n",
         if sizes.is_empty() {
             "no size".to_owned()
         } else {
             sizes.join(", ")
         }
     );
-    let _ = writeln!(
-        s,
-        "  recommended: `METRALE_COMM_FAST_PATH={}`{}",
+    s.push_str(&format!(
+        "  recommended: `METRALE_COMM_FAST_PATH={}`{}\n",
         c.policy_string(),
         match c.range {
             Some((lo, hi)) =>
                 format!(" (FastPathPolicy::Range {{ min_bytes: {lo}, max_bytes: {hi} }})"),
             None => " (FastPathPolicy::Never)".to_owned(),
         }
-    );
+    ));
     s
 }
 
@@ -365,8 +313,11 @@ mod tests {
         assert!((Collective::AllReduce.bus_factor(8) - 1.75).abs() < 1e-12);
         assert!((Collective::AllGather.bus_factor(8) - 0.875).abs() < 1e-12);
         assert!((Collective::ReduceScatter.bus_factor(4) - 0.75).abs() < 1e-12);
+        assert!((Collective::AllToAll.bus_factor(2) - 0.5).abs() < 1e-12);
         assert_eq!(Collective::Broadcast.bus_factor(8), 1.0);
         assert_eq!(Collective::SendRecv.bus_factor(2), 1.0);
+        // One rank moves nothing over the bus.
+        assert_eq!(Collective::AllReduce.bus_factor(1), 0.0);
         assert_eq!(algbw_gbs(100, 0.0), 0.0);
     }
 
@@ -395,17 +346,27 @@ mod tests {
         assert!(Sample::new(vec![-1.0]).is_none());
     }
 
+    #[test]
+    fn timing_checks_its_interval() {
+        let t = Timing::new(10.0, 9.0, 12.0).unwrap();
+        assert!((t.noise() - 0.3).abs() < 1e-12);
+        assert!(Timing::new(10.0, 11.0, 12.0).is_none());
+        assert!(Timing::new(f64::NAN, 0.0, 1.0).is_none());
+        assert!(Timing::new(-1.0, -2.0, 0.0).is_none());
+        assert_eq!(Timing::new(0.0, 0.0, 0.0).unwrap().noise(), 0.0);
+    }
+
     fn point(bytes: usize, nccl: f64, fast: f64) -> PathPoint {
+        let t = |us: f64| Timing::new(us, us * 0.995, us * 1.005).unwrap();
         PathPoint {
             bytes,
-            nccl: sample(&[nccl * 0.99, nccl, nccl * 1.01]),
-            fast: sample(&[fast * 0.99, fast, fast * 1.01]),
+            nccl: t(nccl),
+            fast: t(fast),
         }
     }
 
     #[test]
     fn crossover_takes_the_longest_winning_run_beyond_noise() {
-        // Anchor-like graph numbers: send/recv + add wins from 1 to 16 MiB.
         let pts = vec![
             point(256 << 10, 9.0, 12.0),
             point(512 << 10, 10.8, 11.5),
@@ -420,11 +381,14 @@ mod tests {
         assert_eq!(c.winning_sizes, vec![1 << 20, 4 << 20, 16 << 20, 256 << 20]);
         assert_eq!(c.range, Some((1 << 20, 16 << 20)));
         assert_eq!(c.policy_string(), "1M-16M");
-        // A 1% win inside 2% noise is no win.
-        assert!(!point(1 << 20, 10.1, 10.0).fast_wins());
+        // A 0.5% win inside 1% noise is no win.
+        assert!(!point(1 << 20, 10.05, 10.0).fast_wins());
         let none = Crossover::from_points(&[point(8, 5.0, 6.0)]);
         assert_eq!(none.range, None);
         assert_eq!(none.policy_string(), "never");
+        let s = crossover_summary("eager", &pts);
+        assert!(s.contains("METRALE_COMM_FAST_PATH=1M-16M"), "{s}");
+        assert!(s.contains("1 MiB, 4 MiB, 16 MiB, 256 MiB"), "{s}");
     }
 
     #[test]
@@ -444,32 +408,5 @@ mod tests {
         assert_eq!(human_bytes(8), "8 B");
         assert_eq!(human_bytes(32 << 10), "32 KiB");
         assert_eq!(human_bytes(1 << 30), "1 GiB");
-    }
-
-    #[test]
-    fn tables_have_one_line_per_row_and_the_right_numbers() {
-        let rows = vec![OpRow {
-            op: Collective::AllGather,
-            mode: "eager",
-            bytes: 1 << 30,
-            raw: sample(&[4000.0]),
-            ours: sample(&[4100.0]),
-        }];
-        let t = ops_table(&rows, 2);
-        assert_eq!(t.lines().count(), 3);
-        // algbw 268.4 GB/s, all-gather busbw on 2 ranks = half.
-        assert!(t.contains("| 134.22 |"), "{t}");
-        assert!(t.contains("+100.00"), "{t}");
-        let prow = vec![PathRow {
-            mode: "graph",
-            point: point(1 << 20, 20.0, 16.0),
-            auto: sample(&[16.0]),
-            auto_path: "fast path",
-        }];
-        let t = paths_table(&prow, 2);
-        assert!(t.contains("1.250 (wins)"), "{t}");
-        assert!(t.contains("+0.0%"), "{t}");
-        let s = crossover_summary("graph", &[prow[0].point.clone()]);
-        assert!(s.contains("METRALE_COMM_FAST_PATH=1M-1M"), "{s}");
     }
 }

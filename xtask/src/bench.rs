@@ -1,106 +1,408 @@
-//! `cargo xtask bench`: the GPU benchmarks as a markdown table.
+//! `cargo xtask bench`: the GPU benchmarks as a bundle for a GPU box, and
+//! their run on this box's GPUs.
 //!
-//! It first asks the CUDA driver (through `cuda-sys`) how many GPUs there
-//! are; without a driver or GPU it prints one line and exits 2, like
-//! `gpu-test`. Otherwise it builds `metrale-benches`' `gpu-bench` binary in
-//! release mode and runs it with the remaining options (`--out FILE`,
-//! `--crossover`, `--min`, `--max`, `--factor`, `--trials`, `--ops`,
-//! `--modes`, `--enqueue`, `--host-costs`),
-//! returning its exit code; with one GPU the binary itself says why it
-//! measures nothing and exits 0. `--bundle DIR` builds and writes the binary
-//! and a `run.sh` to DIR, for a GPU box without Rust; it needs no GPU.
+//! It builds `metrale-benches` with `cargo bench --no-run` (release): the
+//! `collectives` and `cpu` bench executables, found in cargo's
+//! `--message-format=json` artifacts, and the `gpu-bench` and
+//! `bench-tables` binaries cargo builds beside them. A bundle is a
+//! directory with those four executables (debug info stripped, symbols
+//! kept), `run.sh` and `README.txt`; no emulator and no Rust toolchain are
+//! needed on the box. `run.sh OUT ...`
+//! runs the collectives bench with criterion's report folder in
+//! `OUT/criterion`, then the tables, then the host-cost probe (and on
+//! request the CPU bench and NVIDIA's nccl-tests beside them).
 //!
-//! Invariant: the NCCL environment is passed through as given; nothing here
-//! sets or alters `NCCL_*` variables.
+//! `--bundle DIR` writes the bundle and stops (no GPU needed). Without it,
+//! on a box with GPUs, the bundle goes to `target/bench-bundle` and runs at
+//! once with `--out` (default `target/bench-out`); without a CUDA driver or
+//! GPU it prints one line and exits 2, before building anything.
+//! `--save-baseline NAME`, `--baseline NAME` and everything after `--` pass
+//! through to criterion.
+//!
+//! Invariant: `run.sh` exports `NCCL_NVLS_ENABLE=0` (NVLink multicast can
+//! take a shared host's GPUs out of service) and leaves every other `NCCL_*`
+//! variable as given; nothing here sets them in xtask's own process.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context as _, bail};
 
 use crate::gpu_box;
 
 const HELP: &str = "\
-usage: cargo xtask bench [--out FILE] [--crossover] [--min BYTES] [--max BYTES]
-                         [--factor N] [--trials N] [--ops a,b] [--modes eager,graph]
-                         [--enqueue nonblocking|blocking] [--host-costs] [--bundle DIR]
+usage: cargo xtask bench [--bundle DIR] [--out DIR] [--quick] [--cpu] [--no-host-costs]
+                         [--save-baseline NAME | --baseline NAME] [-- CRITERION_ARGS...]
 
-Builds benches/ (gpu-bench, --release) and runs it on this box's GPUs: every
-CommBackend collective next to raw NCCL, 8 B to 1 GiB, eager and under CUDA
-graph replay, and the 2-rank all-reduce paths. --crossover: only the paths,
-sizes by factor 2, and the recommended METRALE_COMM_FAST_PATH range.
---host-costs: only the host time per call of eager 8 B operations and of
-the driver and NCCL calls each submission adds.
---bundle DIR writes the binary and a run.sh to DIR instead (no GPU needed).
+Builds the benchmarks (cargo bench --no-run, release) into a bundle: the
+collectives and cpu bench executables, gpu-bench, bench-tables and run.sh.
+--bundle DIR writes it to DIR and stops (no GPU needed): copy DIR to the GPU
+box and run `./run.sh OUT` there. Without --bundle, on this box's GPUs: the
+bundle goes to target/bench-bundle and runs with OUT = --out (default
+target/bench-out). OUT receives criterion's report folder (criterion/, and
+criterion.tar.gz), the tables (tables.md), the logs and the host costs.
+--save-baseline NAME / --baseline NAME go to criterion: save this run as
+NAME, or compare it with NAME saved earlier in the same OUT on the same box.
+--quick: smoke-test sizes and times. --cpu: the CPU bench too.
+--no-host-costs: skip gpu-bench's host time per call. Arguments after --
+go to criterion (a filter such as all_reduce/, --measurement-time 5).
 See docs/benchmarks.md.
 ";
 
-/// Runs the subcommand.
-pub fn run(args: &[String]) -> anyhow::Result<i32> {
-    let (bundle, mut pass) = match gpu_box::parse_cli(
-        "bench",
-        HELP,
-        &["--crossover", "--host-costs"],
-        &[
-            "--out",
-            "--min",
-            "--max",
-            "--factor",
-            "--trials",
-            "--ops",
-            "--modes",
-            "--enqueue",
-        ],
-        args,
-    )? {
-        gpu_box::Cli::Exit(code) => return Ok(code),
-        gpu_box::Cli::Run { bundle, pass } => (bundle, pass),
-    };
-    for i in 1..pass.len() {
-        if pass[i - 1] == "--out" {
-            pass[i] = absolute(&pass[i])?;
-        }
-    }
-    gpu_box::GpuProgram {
-        tool: "bench",
-        package: "metrale-benches",
-        bin: "gpu-bench",
-        leading_args: &[],
-        no_gpu_hint: "the GPU benchmarks need 2 GPUs (CPU benchmarks: cargo bench -p metrale-benches --bench cpu)",
-        run_sh: RUN_SH,
-        readme: README,
-    }
-    .run(bundle.as_deref(), &pass)
+/// The bench executables the bundle holds, by cargo target name.
+const BENCHES: [&str; 2] = ["collectives", "cpu"];
+/// The binaries the bundle holds.
+const BINS: [&str; 2] = ["gpu-bench", "bench-tables"];
+
+#[derive(Debug, Default, PartialEq)]
+struct Cli {
+    bundle: Option<PathBuf>,
+    out: Option<PathBuf>,
+    /// What goes to `run.sh` after OUT.
+    pass: Vec<String>,
 }
 
-/// `--out` relative to the caller's directory, not the workspace root.
-fn absolute(p: &str) -> anyhow::Result<String> {
-    let p = Path::new(p);
-    let abs = if p.is_absolute() {
+fn parse(args: &[String]) -> anyhow::Result<Result<Cli, i32>> {
+    let mut cli = Cli::default();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--help" | "-h" => {
+                print!("{HELP}");
+                return Ok(Err(0));
+            }
+            "--bundle" => {
+                cli.bundle = Some(it.next().context("--bundle needs a directory")?.into())
+            }
+            "--out" => cli.out = Some(it.next().context("--out needs a directory")?.into()),
+            "--quick" | "--cpu" | "--no-host-costs" => cli.pass.push(a.clone()),
+            "--save-baseline" | "--baseline" => {
+                let name = it.next().with_context(|| format!("{a} needs a name"))?;
+                cli.pass.extend([a.clone(), name.clone()]);
+            }
+            "--" => {
+                cli.pass.push("--".into());
+                cli.pass.extend(it.by_ref().cloned());
+            }
+            other => {
+                eprintln!("bench: unknown option `{other}`");
+                eprint!("{HELP}");
+                return Ok(Err(2));
+            }
+        }
+    }
+    Ok(Ok(cli))
+}
+
+/// Runs the subcommand.
+pub fn run(args: &[String]) -> anyhow::Result<i32> {
+    let cli = match parse(args)? {
+        Ok(cli) => cli,
+        Err(code) => return Ok(code),
+    };
+    let root = crate::workspace_root();
+    if let Some(dir) = &cli.bundle {
+        build_bundle(&root, dir)?;
+        println!(
+            "bench: bundle written to {} (copy it to a GPU box and run ./run.sh OUT there)",
+            dir.display()
+        );
+        return Ok(0);
+    }
+    match gpu_box::detect_gpus() {
+        Ok(n) => println!("bench: {n} GPU(s) found"),
+        Err(line) => {
+            eprintln!(
+                "bench: {line}; the GPU benchmarks need a GPU (CPU benchmarks: cargo bench -p metrale-benches --bench cpu; a bundle for a GPU box: cargo xtask bench --bundle DIR)"
+            );
+            return Ok(2);
+        }
+    }
+    let target = target_dir(&root);
+    let dir = target.join("bench-bundle");
+    build_bundle(&root, &dir)?;
+    let out = absolute(&cli.out.unwrap_or_else(|| target.join("bench-out")))?;
+    let status = Command::new(dir.join("run.sh"))
+        .arg(&out)
+        .args(&cli.pass)
+        .status()
+        .context("running run.sh")?;
+    Ok(status.code().unwrap_or(1))
+}
+
+fn target_dir(root: &Path) -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target"))
+}
+
+/// A path relative to the caller's directory, made absolute.
+fn absolute(p: &Path) -> anyhow::Result<PathBuf> {
+    Ok(if p.is_absolute() {
         p.to_path_buf()
     } else {
         std::env::current_dir()?.join(p)
-    };
-    Ok(abs.to_string_lossy().into_owned())
+    })
+}
+
+/// One executable cargo reported.
+#[derive(Debug, Clone, PartialEq)]
+struct Artifact {
+    /// `bench` or `bin`.
+    kind: String,
+    /// The target's name.
+    name: String,
+    /// Built as a test or bench harness (`profile.test`).
+    test: bool,
+    executable: PathBuf,
+}
+
+/// The executables among cargo's JSON messages (one per line).
+fn artifacts(json_lines: &str) -> Vec<Artifact> {
+    json_lines
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["reason"] == "compiler-artifact")
+        .filter_map(|v| {
+            Some(Artifact {
+                kind: v["target"]["kind"].get(0)?.as_str()?.to_owned(),
+                name: v["target"]["name"].as_str()?.to_owned(),
+                test: v["profile"]["test"].as_bool().unwrap_or(false),
+                executable: PathBuf::from(v["executable"].as_str()?),
+            })
+        })
+        .collect()
+}
+
+/// The bundle's executables, as (name in the bundle, path): the benches
+/// (bench harness builds) and the binaries (plain builds).
+fn pick(found: &[Artifact]) -> anyhow::Result<Vec<(&'static str, PathBuf)>> {
+    let mut out = Vec::new();
+    for (names, kind, test) in [(&BENCHES, "bench", true), (&BINS, "bin", false)] {
+        for name in names.iter().copied() {
+            let a = found
+                .iter()
+                .rev()
+                .find(|a| a.kind == kind && a.name == name && a.test == test)
+                .with_context(|| format!("cargo built no {kind} `{name}`"))?;
+            out.push((name, a.executable.clone()));
+        }
+    }
+    Ok(out)
+}
+
+/// Builds the benchmarks and writes the bundle into `dir`.
+fn build_bundle(root: &Path, dir: &Path) -> anyhow::Result<()> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(root).args([
+        "bench",
+        "--no-run",
+        "--message-format=json-render-diagnostics",
+        "-p",
+        "metrale-benches",
+    ]);
+    for b in BENCHES {
+        cmd.args(["--bench", b]);
+    }
+    let out = cmd
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .context("running cargo bench --no-run")?;
+    if !out.status.success() {
+        bail!("cargo bench --no-run -p metrale-benches failed");
+    }
+    let exes = pick(&artifacts(&String::from_utf8_lossy(&out.stdout)))?;
+    write_bundle(dir, &exes)
+}
+
+fn write_bundle(dir: &Path, exes: &[(&str, PathBuf)]) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let exec = std::fs::Permissions::from_mode(0o755);
+    for (name, exe) in exes {
+        let to = dir.join(name);
+        std::fs::copy(exe, &to)
+            .with_context(|| format!("copying {} to {}", exe.display(), to.display()))?;
+        std::fs::set_permissions(&to, exec.clone())?;
+        // The release profile keeps line tables (debug = 1): about 27 MiB
+        // a binary, a tenth of it without. Symbols stay for backtraces.
+        let stripped = Command::new("strip")
+            .arg("--strip-debug")
+            .arg(&to)
+            .status()
+            .is_ok_and(|s| s.success());
+        if !stripped {
+            eprintln!(
+                "bench: `strip --strip-debug` failed or is missing; {name} keeps its debug info"
+            );
+        }
+    }
+    let sh = dir.join("run.sh");
+    std::fs::write(&sh, RUN_SH)?;
+    std::fs::set_permissions(&sh, exec)?;
+    std::fs::write(dir.join("README.txt"), README)?;
+    Ok(())
 }
 
 const RUN_SH: &str = r#"#!/usr/bin/env bash
-# Runs the metrale-comm GPU benchmarks on this box's first 2 GPUs.
-# Options: --out FILE --crossover --min BYTES --max BYTES --factor N --trials N --ops a,b --modes eager,graph --enqueue MODE --host-costs
-# NCCL_* variables are passed through exactly as given.
-set -euo pipefail
-cd "$(dirname "$0")"
-exec ./gpu-bench "$@"
+# Runs the metrale-comm GPU benchmarks on this box's GPUs and writes every
+# result under OUT:
+#   OUT/criterion/         criterion's report folder (and OUT/criterion.tar.gz)
+#   OUT/collectives*.log   the collectives bench's output
+#   OUT/tables*.md         the nccl-tests-style tables, from criterion's estimates
+#   OUT/host-costs*.md     gpu-bench: host time per call
+#   OUT/cpu*.log           the CPU bench (--cpu)
+#   OUT/nccl-tests*.txt    NVIDIA's nccl-tests beside them (--nccl-tests DIR)
+# usage: ./run.sh OUT [--quick] [--cpu] [--no-host-costs] [--nccl-tests DIR]
+#                     [--save-baseline NAME | --baseline NAME] [CRITERION_ARGS...]
+# --save-baseline / --baseline go to criterion (and name the files: -NAME,
+# -vs-NAME); a baseline lives in OUT/criterion, so compare runs that share
+# OUT on the same box. NCCL_NVLS_ENABLE=0 is exported; every other NCCL_*
+# variable is passed through as given.
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
+    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+    exit 2
+fi
+mkdir -p "$1" && out="$(cd "$1" && pwd)" || exit 2
+shift
+export NCCL_NVLS_ENABLE=0
+export CRITERION_HOME="$out/criterion"
+cpu=0 host=1 nccl_tests="" suffix="" base=() crit=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --quick) export METRALE_BENCH_QUICK=1 ;;
+        --cpu) cpu=1 ;;
+        --no-host-costs) host=0 ;;
+        --nccl-tests) nccl_tests="$2"; shift ;;
+        --save-baseline) base=("$1" "$2"); suffix="-$2"; shift ;;
+        --baseline) base=("$1" "$2"); suffix="-vs-$2"; shift ;;
+        --) ;;
+        *) crit+=("$1") ;;
+    esac
+    shift
+done
+status=0
+{ uname -a; nvidia-smi -L 2>&1 || true; env | grep -E '^(NCCL_|METRALE_)' || true; } >"$out/machine$suffix.txt"
+"$here/collectives" --bench "${base[@]}" "${crit[@]}" 2>&1 | tee "$out/collectives$suffix.log" || status=1
+tables=(--out "$out/tables$suffix.md")
+[ ${#base[@]} -eq 2 ] && [ "${base[0]}" = --baseline ] && tables+=(--baseline "${base[1]}")
+"$here/bench-tables" "$CRITERION_HOME" "${tables[@]}" || status=1
+if [ "$host" = 1 ]; then
+    "$here/gpu-bench" --host-costs --out "$out/host-costs$suffix.md" 2>&1 | tee "$out/host-costs$suffix.log" || status=1
+fi
+if [ "$cpu" = 1 ]; then
+    "$here/cpu" --bench "${base[@]}" 2>&1 | tee "$out/cpu$suffix.log" || status=1
+fi
+if [ -n "$nccl_tests" ]; then
+    n="${METRALE_BENCH_GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}"
+    for t in all_reduce all_gather reduce_scatter broadcast sendrecv alltoall; do
+        [ -x "$nccl_tests/${t}_perf" ] || continue
+        for g in "" "-G 20"; do
+            echo "== ${t}_perf -b 8 -e 1G -f 4 -g $n -d bfloat16 -w 5 -n 20 $g"
+            "$nccl_tests/${t}_perf" -b 8 -e 1G -f 4 -g "$n" -d bfloat16 -w 5 -n 20 $g 2>&1 || status=1
+        done
+    done | tee "$out/nccl-tests$suffix.txt"
+fi
+tar -czf "$out/criterion.tar.gz" -C "$out" criterion || status=1
+exit $status
 "#;
 
 const README: &str = "\
 metrale-comm GPU benchmark bundle
 =================================
 
-Run on a box with 2 NVIDIA GPUs, a driver and libnccl.so.2 (NCCL >= 2.19):
+Run on a box with NVIDIA GPUs, a driver and libnccl.so.2 (NCCL >= 2.19;
+set METRALE_NCCL_LIBRARY to use another libnccl):
 
-    ./run.sh --out results.md           # every collective, 8 B to 1 GiB, eager and graph
-    ./run.sh --crossover --out fast.md  # the all-reduce paths by factor 2, and the
-                                        # recommended METRALE_COMM_FAST_PATH range
+    ./run.sh OUT                        # every collective, raw NCCL beside ours,
+                                        # eager and graph replay, on all GPUs
+    ./run.sh OUT --save-baseline main   # ... and keep the numbers as `main`
+    ./run.sh OUT --baseline main        # a later build compared with `main`
+    ./run.sh OUT --quick                # a smoke test (seconds)
+    ./run.sh OUT all_reduce/            # criterion's filter: one operation
 
-It prints markdown tables: our CommBackend next to raw NCCL in the same run,
-time per operation and nccl-tests' algbw/busbw. With fewer than 2 GPUs it
-says so and exits 0. No Rust toolchain is needed.
+OUT gets criterion's report folder (criterion/ and criterion.tar.gz), the
+tables (tables.md: time, algbw, busbw, ours/raw and noise per size), the
+logs and gpu-bench's host time per call. With no GPU or no NCCL the
+benches say so in one line and exit 0. NCCL_NVLS_ENABLE=0 is set by
+run.sh. No Rust toolchain is needed.
 ";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn options_pass_through_to_run_sh() {
+        let cli = parse(&args(&[
+            "--out",
+            "o",
+            "--baseline",
+            "main",
+            "--quick",
+            "--",
+            "all_reduce/",
+            "--measurement-time",
+            "5",
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(cli.out, Some(PathBuf::from("o")));
+        assert_eq!(cli.bundle, None);
+        assert_eq!(
+            cli.pass,
+            args(&[
+                "--baseline",
+                "main",
+                "--quick",
+                "--",
+                "all_reduce/",
+                "--measurement-time",
+                "5"
+            ])
+        );
+        assert_eq!(parse(&args(&["--frobnicate"])).unwrap(), Err(2));
+        assert!(parse(&args(&["--save-baseline"])).is_err());
+    }
+
+    #[test]
+    fn the_bundle_takes_bench_harness_builds_and_plain_binaries() {
+        let msg = |kind: &str, name: &str, test: bool, exe: &str| {
+            format!(
+                r#"{{"reason":"compiler-artifact","target":{{"kind":["{kind}"],"name":"{name}"}},"profile":{{"test":{test}}},"executable":"{exe}"}}"#
+            )
+        };
+        let lines = [
+            msg("lib", "metrale_benches", false, "null").replace("\"null\"", "null"),
+            msg("bin", "gpu-bench", true, "/t/deps/gpu_bench-1"),
+            msg("bin", "gpu-bench", false, "/t/gpu-bench"),
+            msg("bin", "bench-tables", false, "/t/bench-tables"),
+            msg("bench", "collectives", true, "/t/deps/collectives-2"),
+            msg("bin", "collectives", false, "/t/collectives"),
+            msg("bench", "cpu", true, "/t/deps/cpu-3"),
+            r#"{"reason":"build-finished","success":true}"#.to_owned(),
+        ]
+        .join("\n");
+        let found = artifacts(&lines);
+        assert_eq!(found.len(), 6);
+        let picked = pick(&found).unwrap();
+        assert_eq!(
+            picked,
+            vec![
+                ("collectives", PathBuf::from("/t/deps/collectives-2")),
+                ("cpu", PathBuf::from("/t/deps/cpu-3")),
+                ("gpu-bench", PathBuf::from("/t/gpu-bench")),
+                ("bench-tables", PathBuf::from("/t/bench-tables")),
+            ]
+        );
+        let e = pick(&found[..3]).unwrap_err().to_string();
+        assert!(e.contains("bench `collectives`"), "{e}");
+    }
+}

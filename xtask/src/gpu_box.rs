@@ -1,5 +1,7 @@
-//! What `gpu-test` and `bench` share: finding the GPUs through the driver,
-//! building a release binary, and writing a bundle for a box without Rust.
+//! What the GPU subcommands share: finding the GPUs through the driver
+//! (`gpu-test` and `bench`), and building a release binary and writing a
+//! bundle for a box without Rust (`gpu-test`; `bench` builds its own from
+//! `cargo bench --no-run`).
 //!
 //! Invariant: nothing here parses `nvidia-smi`; a machine without a driver
 //! or GPUs gives one line saying what is missing.

@@ -20,7 +20,8 @@ commands:
   ptx [--check]       compile the project's CUDA kernels to the committed PTX
   probe               print the driver, the GPUs and peer access, and NCCL
   gpu-test [opts]     run the multi-rank suite on this box's GPUs (--help)
-  bench [opts]        run the GPU benchmarks and write a markdown table (--help)
+  bench [opts]        build the GPU benchmarks into a bundle for a GPU box, or
+                      run it on this box's GPUs (--help)
   diagnose DIR        read the flight-recorder dumps of all ranks in DIR and
                       name the first operation the ranks disagree on
 ";
