@@ -243,6 +243,22 @@ impl FlightRecorder {
         }
     }
 
+    /// Marks every one of `seqs` complete under one lock (the watchdog's
+    /// batch of completions).
+    pub fn set_completed(&self, seqs: impl IntoIterator<Item = u64>) {
+        let now = now_unix_us();
+        let mut ring = self.ring.lock();
+        for seq in seqs {
+            if ring.slot(seq).is_none() {
+                continue;
+            }
+            let index = ring.index(seq);
+            let slot = &mut ring.slots[index];
+            slot.state = OpState::Completed;
+            slot.completed_after_us = Some(now.saturating_sub(slot.enqueued_unix_us));
+        }
+    }
+
     /// The last sequence number handed out (0 before the first record).
     pub fn last_seq(&self) -> u64 {
         self.ring.lock().last_seq

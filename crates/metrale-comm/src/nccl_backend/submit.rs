@@ -68,9 +68,27 @@ impl WatchQueues {
         self.queues.keys().copied().collect()
     }
 
-    /// The oldest watched submission on `stream`.
-    pub(super) fn front(&self, stream: usize) -> Option<Watched> {
-        self.queues.get(&stream).and_then(|q| q.front().cloned())
+    /// Up to `n` of the oldest watched submissions on `stream`, oldest
+    /// first.
+    pub(super) fn oldest(&self, stream: usize, n: usize) -> Vec<Watched> {
+        self.queues
+            .get(&stream)
+            .map(|q| q.iter().take(n).cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// Removes the first `n` submissions of `stream` if the first is `seq`
+    /// (nothing else removes from a queue's front meanwhile); drops empty
+    /// queues.
+    pub(super) fn pop_n(&mut self, stream: usize, seq: u64, n: usize) {
+        if let Some(q) = self.queues.get_mut(&stream) {
+            if q.front().is_some_and(|w| w.seq == seq) {
+                q.drain(..n.min(q.len()));
+            }
+            if q.is_empty() {
+                self.queues.remove(&stream);
+            }
+        }
     }
 
     /// The first submission on `stream` that has a deadline (the front,
@@ -79,18 +97,6 @@ impl WatchQueues {
         self.queues
             .get(&stream)
             .and_then(|q| q.iter().find(|w| w.deadline.is_some()).cloned())
-    }
-
-    /// Removes the front of `stream` if it is `seq`; drops empty queues.
-    pub(super) fn pop(&mut self, stream: usize, seq: u64) {
-        if let Some(q) = self.queues.get_mut(&stream) {
-            if q.front().is_some_and(|w| w.seq == seq) {
-                q.pop_front();
-            }
-            if q.is_empty() {
-                self.queues.remove(&stream);
-            }
-        }
     }
 
     /// Every watched submission's event.
@@ -103,7 +109,7 @@ impl WatchQueues {
     }
 
     /// The oldest watched submission of `generation` that has a deadline.
-    pub(super) fn oldest(&self, generation: u64) -> Option<(&'static str, u64)> {
+    pub(super) fn oldest_with_deadline(&self, generation: u64) -> Option<(&'static str, u64)> {
         self.queues
             .values()
             .flatten()
@@ -578,7 +584,7 @@ impl Inner {
     /// The oldest watched submission of this generation that has a deadline.
     pub(super) fn oldest_pending(&self) -> Option<(&'static str, u64)> {
         let generation = self.generation.load(Ordering::Acquire);
-        self.watched.lock().oldest(generation)
+        self.watched.lock().oldest_with_deadline(generation)
     }
 }
 

@@ -18,8 +18,10 @@ use std::time::Instant;
 use nccl_safe::Event;
 
 use super::Inner;
-use crate::diagnostics::OpState;
 use crate::error::FailureKind;
+
+/// How many of a stream's oldest submissions one lock hold copies.
+const BATCH: usize = 64;
 
 pub(super) fn watchdog_loop(inner: Weak<Inner>) {
     loop {
@@ -48,40 +50,56 @@ impl Inner {
         let mut done: Vec<(&'static str, u64, Arc<Event>)> = Vec::new();
         let streams = self.watched.lock().streams();
         for stream in streams {
+            // A batch of the oldest submissions is copied under one lock and
+            // asked in order, without the lock, up to the first incomplete
+            // one; the completed prefix is removed under one lock.
             loop {
-                let Some(front) = self.watched.lock().front(stream) else {
+                let batch = self.watched.lock().oldest(stream, BATCH);
+                let Some(first) = batch.first().map(|w| w.seq) else {
                     break;
                 };
-                if front.generation != generation {
-                    self.watched.lock().pop(stream, front.seq);
-                    continue;
+                let mut completed = 0;
+                let mut stop = false;
+                for w in &batch {
+                    if w.generation != generation {
+                        completed += 1;
+                        continue;
+                    }
+                    // The driver is asked without any lock held.
+                    match w.event.query() {
+                        Ok(true) => {
+                            completed += 1;
+                            done.push((w.op, w.seq, w.event.clone()));
+                        }
+                        Ok(false) => {
+                            let with_deadline = if w.deadline.is_some() {
+                                Some(w.clone())
+                            } else {
+                                self.watched.lock().first_with_deadline(stream)
+                            };
+                            if let Some(d) = with_deadline
+                                && d.deadline.is_some_and(|at| now >= at)
+                                && expired.is_none_or(|(_, s)| d.seq < s)
+                            {
+                                expired = Some((d.op, d.seq));
+                            }
+                            stop = true;
+                            break;
+                        }
+                        Err(e) => {
+                            if failed.as_ref().is_none_or(|(_, s, _)| w.seq < *s) {
+                                failed = Some((w.op, w.seq, e));
+                            }
+                            stop = true;
+                            break;
+                        }
+                    }
                 }
-                // The driver is asked without any lock held.
-                match front.event.query() {
-                    Ok(true) => {
-                        self.watched.lock().pop(stream, front.seq);
-                        done.push((front.op, front.seq, front.event));
-                    }
-                    Ok(false) => {
-                        let first = if front.deadline.is_some() {
-                            Some(front)
-                        } else {
-                            self.watched.lock().first_with_deadline(stream)
-                        };
-                        if let Some(w) = first
-                            && w.deadline.is_some_and(|d| now >= d)
-                            && expired.is_none_or(|(_, s)| w.seq < s)
-                        {
-                            expired = Some((w.op, w.seq));
-                        }
-                        break;
-                    }
-                    Err(e) => {
-                        if failed.as_ref().is_none_or(|(_, s, _)| front.seq < *s) {
-                            failed = Some((front.op, front.seq, e));
-                        }
-                        break;
-                    }
+                if completed > 0 {
+                    self.watched.lock().pop_n(stream, first, completed);
+                }
+                if stop || completed < BATCH {
+                    break;
                 }
             }
         }
@@ -131,9 +149,7 @@ impl Inner {
             self.poison(op, seq, FailureKind::AsyncError(e));
             return;
         }
-        for (_, seq, _) in &done {
-            self.recorder.set_state(*seq, OpState::Completed);
-        }
+        self.recorder.set_completed(done.iter().map(|(_, seq, _)| *seq));
         self.recycle(done.into_iter().map(|(_, _, ev)| ev));
     }
 }
