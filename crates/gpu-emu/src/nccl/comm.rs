@@ -16,7 +16,7 @@ use nccl_sys::{ncclComm, ncclComm_t, ncclConfig_t, ncclResult_t};
 use parking_lot::{Condvar, Mutex};
 
 use super::errors::{fail, intern, record};
-use super::world::World;
+use super::world::Peers;
 use super::{CONFIG_MAGIC, R, TICK};
 use crate::fault;
 use crate::{Table, id_to_ptr, new_id, ptr_to_id};
@@ -24,7 +24,7 @@ use crate::{Table, id_to_ptr, new_id, ptr_to_id};
 pub(super) struct CommSt {
     pub(super) rank: i32,
     pub(super) nranks: i32,
-    pub(super) world: Option<Arc<World>>,
+    pub(super) world: Option<Peers>,
     pub(super) async_err: Option<ncclResult_t>,
     pub(super) last: Option<(u64, &'static CStr)>,
     pub(super) inflight: u64,
@@ -214,7 +214,7 @@ impl Comm {
         self.aborted.load(Ordering::Acquire)
     }
 
-    pub(super) fn set_world(&self, rank: i32, nranks: i32, w: Arc<World>) {
+    pub(super) fn set_world(&self, rank: i32, nranks: i32, w: Peers) {
         let mut st = self.st.lock();
         st.rank = rank;
         st.nranks = nranks;
@@ -254,15 +254,43 @@ impl Comm {
         }
     }
 
+    /// Waits until the communicator is ready, aborted, or failed its init
+    /// (an asynchronous error before it is ready, see [`Comm::fail_init`]).
     pub(super) fn wait_ready(&self) {
         let mut st = self.st.lock();
-        while st.world.is_none() && !self.aborted() {
+        while st.world.is_none() && st.async_err.is_none() && !self.aborted() {
             self.cv.wait_for(&mut st, TICK);
         }
     }
 
+    /// The error of an init that failed after its call returned (a
+    /// bootstrap across processes), as `ncclCommGetAsyncError` and a
+    /// blocking init report it; nothing once the communicator is aborted.
+    pub(super) fn fail_init(&self, code: ncclResult_t, msg: &str) {
+        if self.aborted() {
+            return;
+        }
+        self.set_async(code, msg);
+        let _st = self.st.lock();
+        self.cv.notify_all();
+    }
+
+    /// The init error of a communicator that is not ready, with its text
+    /// recorded as the calling thread's last error.
+    pub(super) fn init_error(&self) -> Option<ncclResult_t> {
+        let st = self.st.lock();
+        if st.world.is_some() {
+            return None;
+        }
+        let code = st.async_err?;
+        if let Some((_, m)) = st.last {
+            record(m);
+        }
+        Some(code)
+    }
+
     /// (rank, nranks, world) of a ready communicator.
-    pub(super) fn ready(&self) -> R<(usize, usize, Option<Arc<World>>)> {
+    pub(super) fn ready(&self) -> R<(usize, usize, Option<Peers>)> {
         let st = self.st.lock();
         if st.world.is_none() && !self.ghost {
             return fail(

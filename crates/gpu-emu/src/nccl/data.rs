@@ -52,6 +52,22 @@ impl Dt {
         })
     }
 
+    /// Its `ncclDataType_t` value.
+    pub(super) fn code(self) -> u8 {
+        match self {
+            Dt::I8 => 0,
+            Dt::U8 => 1,
+            Dt::I32 => 2,
+            Dt::U32 => 3,
+            Dt::I64 => 4,
+            Dt::U64 => 5,
+            Dt::F16 => 6,
+            Dt::F32 => 7,
+            Dt::F64 => 8,
+            Dt::Bf16 => 9,
+        }
+    }
+
     pub(super) fn size(self) -> usize {
         match self {
             Dt::I8 | Dt::U8 => 1,
@@ -90,6 +106,17 @@ impl Op {
                 );
             }
         })
+    }
+
+    /// Its `ncclRedOp_t` value.
+    pub(super) fn code(self) -> u8 {
+        match self {
+            Op::Sum => 0,
+            Op::Prod => 1,
+            Op::Max => 2,
+            Op::Min => 3,
+            Op::Avg => 4,
+        }
     }
 }
 

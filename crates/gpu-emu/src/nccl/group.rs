@@ -172,6 +172,9 @@ pub(super) fn group_end() -> R<ncclResult_t> {
     for c in inits {
         if c.blocking {
             c.wait_ready();
+            if let Some(code) = c.init_error() {
+                return Err(code);
+            }
         } else if c.st.lock().world.is_none() {
             result = ncclResult_t::ncclInProgress;
         }

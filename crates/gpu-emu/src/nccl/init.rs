@@ -9,21 +9,32 @@
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int};
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 
 use nccl_sys::{ncclComm_t, ncclConfig_t, ncclResult_t, ncclUniqueId};
 use parking_lot::Mutex;
 
 use super::comm::{COMMS, Chain, Comm, init_config};
-use super::errors::{entry, fail, out, unimplemented};
+use super::errors::{entry, err, fail, out, unimplemented};
 use super::group::{GROUP, grouped, in_group};
-use super::world::World;
+use super::net::bootstrap::{InitErr, Remote};
+use super::net::{self, bootstrap};
+use super::world::{Peers, World};
 use super::{R, VERSION};
 use crate::fault::{self, Fault};
 use crate::{driver, put};
 
+/// A rank registered with an id of this process.
+pub(super) enum Member {
+    /// A rank of this process.
+    Local(Arc<Comm>),
+    /// A rank of another process, registered through the listener.
+    Remote(Remote),
+}
+
 pub(super) struct Pending {
     pub(super) nranks: i32,
-    pub(super) members: Vec<Option<Arc<Comm>>>,
+    pub(super) members: Vec<Option<Member>>,
 }
 
 pub(super) static PENDING: Mutex<BTreeMap<[u8; 128], Pending>> = Mutex::new(BTreeMap::new());
@@ -32,54 +43,89 @@ pub(super) fn key_of(id: &ncclUniqueId) -> [u8; 128] {
     id.internal.map(|c| c as u8)
 }
 
-/// Adds `comm` to the ranks of `key`; the last to join completes the world.
-pub(super) fn join(key: [u8; 128], nranks: i32, rank: i32, comm: &Arc<Comm>) -> R<()> {
+/// Adds rank `rank` to the ranks of `key`; the last to join completes the
+/// world: an in-process one when every rank is of this process (under
+/// the registry's lock), else the mesh of every rank (after it).
+pub(super) fn join(key: [u8; 128], nranks: i32, rank: i32, m: Member) -> Result<(), InitErr> {
+    let invalid = |m: String| Err((ncclResult_t::ncclInvalidArgument, m));
+    if nranks < 1 || rank < 0 || rank >= nranks {
+        return invalid(format!("rank {rank} is out of range for {nranks} ranks"));
+    }
     let mut p = PENDING.lock();
     let e = p.entry(key).or_insert_with(|| Pending {
         nranks,
-        members: vec![None; nranks as usize],
+        members: std::iter::repeat_with(|| None)
+            .take(nranks as usize)
+            .collect(),
     });
     if e.nranks != nranks {
-        return fail(
-            ncclResult_t::ncclInvalidArgument,
-            format!("nranks {nranks} differs from {} of other ranks", e.nranks),
-        );
+        return invalid(format!(
+            "nranks {nranks} differs from {} of other ranks",
+            e.nranks
+        ));
     }
     let slot = &mut e.members[rank as usize];
     if slot.is_some() {
-        return fail(
-            ncclResult_t::ncclInvalidArgument,
-            format!("rank {rank} joined twice"),
-        );
+        return invalid(format!("rank {rank} joined twice"));
     }
-    *slot = Some(comm.clone());
-    if e.members.iter().all(Option::is_some) {
-        let members = p.remove(&key).map(|e| e.members).unwrap_or_default();
-        let w = World::new(
-            members
-                .iter()
-                .map(|m| m.as_ref().map_or(-1, |m| m.device))
-                .collect(),
-        );
-        for (r, m) in members.into_iter().enumerate() {
-            if let Some(m) = m {
-                m.set_world(r as i32, nranks, w.clone());
+    *slot = Some(m);
+    if !e.members.iter().all(Option::is_some) {
+        return Ok(());
+    }
+    let members: Vec<Member> = p
+        .remove(&key)
+        .map(|e| e.members.into_iter().flatten().collect())
+        .unwrap_or_default();
+    let local: Option<Vec<Arc<Comm>>> = members
+        .iter()
+        .map(|m| match m {
+            Member::Local(c) => Some(c.clone()),
+            Member::Remote(_) => None,
+        })
+        .collect();
+    match local {
+        Some(comms) => {
+            let w = World::new(comms.iter().map(|c| c.device).collect());
+            for (r, c) in comms.into_iter().enumerate() {
+                c.set_world(r as i32, nranks, Peers::Local(w.clone()));
             }
+        }
+        None => {
+            drop(p);
+            let route = net::parse_id(&key).map_or(0, |i| i.key);
+            bootstrap::start_world(route, members);
         }
     }
     Ok(())
 }
 
+/// Takes a rank of this process whose init ends unfinished out of the
+/// registry.
 pub(super) fn unjoin(comm: &Arc<Comm>) {
     let mut p = PENDING.lock();
     p.retain(|_, e| {
         for m in e.members.iter_mut() {
-            if m.as_ref().is_some_and(|x| Arc::ptr_eq(x, comm)) {
+            if matches!(m, Some(Member::Local(x)) if Arc::ptr_eq(x, comm)) {
                 *m = None;
             }
         }
         e.members.iter().any(Option::is_some)
     });
+}
+
+/// Takes rank `rank` of another process, registered under `token`, out of
+/// the registry of `key` (its registration ended before the table).
+pub(super) fn withdraw(key: &[u8; 128], rank: usize, token: &Arc<AtomicBool>) {
+    let mut p = PENDING.lock();
+    let Some(e) = p.get_mut(key) else { return };
+    if let Some(m @ Some(Member::Remote(_))) = e.members.get_mut(rank)
+        && matches!(m, Some(Member::Remote(x)) if Arc::ptr_eq(&x.token, token))
+    {
+        *m = None;
+    }
+    if e.members.iter().all(Option::is_none) {
+        p.remove(key);
+    }
 }
 
 /// `ncclGetVersion`: 22803.
@@ -95,18 +141,16 @@ pub unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> ncclResult_t {
     })
 }
 
-/// `ncclGetUniqueId`: 128 random bytes.
+/// `ncclGetUniqueId`: random bytes carrying this process's loopback
+/// address (the bootstrap root of ranks of other processes, see `net`).
 ///
 /// # Safety
 /// `id` is null or valid for a write.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclGetUniqueId(id: *mut ncclUniqueId) -> ncclResult_t {
     entry(|| {
-        use rand::Rng;
-        let mut bytes = [0u8; 128];
-        rand::rng().fill(&mut bytes[..]);
         let v = ncclUniqueId {
-            internal: bytes.map(|b| b as c_char),
+            internal: net::fresh_id().map(|b| b as c_char),
         };
         // SAFETY: `id` is null or valid (this function's contract).
         unsafe { out(id, v, "uniqueId") }?;
@@ -151,7 +195,14 @@ pub(super) unsafe fn init_rank(
     let device = driver::current_device().unwrap_or(0);
     let comm = Comm::new(device, cfg, Chain::new(), ghost, rank, nranks);
     if !ghost {
-        join(key_of(id), nranks, rank, &comm)?;
+        let key = key_of(id);
+        let joined = match net::parse_id(&key) {
+            Some(info) if !info.is_mine() => {
+                bootstrap::join_via_root(&comm, info, key, nranks as usize, rank as usize)
+            }
+            _ => join(key, nranks, rank, Member::Local(comm.clone())),
+        };
+        joined.map_err(|(code, msg)| err(code, msg))?;
     }
     COMMS.insert_at(comm.id, comm.clone());
     // SAFETY: `out_comm` is non-null and valid (this function's contract).
@@ -165,6 +216,9 @@ pub(super) unsafe fn init_rank(
     }
     if !ghost {
         comm.wait_ready();
+        if let Some(code) = comm.init_error() {
+            return Err(code);
+        }
     }
     Ok(ncclResult_t::ncclSuccess)
 }
@@ -249,7 +303,8 @@ pub unsafe extern "C" fn ncclCommInitAll(
             // SAFETY: a null config.
             let cfg = unsafe { init_config(std::ptr::null()) }?;
             let c = Comm::new(d, cfg, Chain::new(), false, i as c_int, ndev);
-            join(key, ndev, i as c_int, &c)?;
+            join(key, ndev, i as c_int, Member::Local(c.clone()))
+                .map_err(|(code, msg)| err(code, msg))?;
             COMMS.insert_at(c.id, c.clone());
             // SAFETY: `comms` holds `ndev` slots (this function's contract).
             unsafe { put(comms.add(i), c.handle()) };

@@ -19,7 +19,7 @@ use super::comm::{Comm, Inflight, Ticket};
 use super::data::Dt;
 use super::errors::err;
 use super::group::{GROUP, GroupItem, in_group};
-use super::world::{Desc, World, run_coll, run_recv, run_send};
+use super::world::{Desc, Peers, World, run_coll, run_recv, run_send};
 use super::{POLL, R};
 use crate::driver;
 use crate::fault::{self, Fault};
@@ -97,6 +97,10 @@ pub(super) enum Need {
     Never,
     /// Every rank launched collective `seq`.
     Coll { world: Arc<World>, seq: u64 },
+    /// Met at once: the peers are other processes, whose launches this
+    /// process does not see (lazy connection is not emulated across
+    /// processes).
+    Met,
     /// At least `k` launches on the `(src, dst, send side)` counter.
     P2p {
         world: Arc<World>,
@@ -109,6 +113,7 @@ impl Need {
     pub(super) fn met(&self) -> bool {
         match self {
             Need::Never => false,
+            Need::Met => true,
             Need::Coll { world, seq } => world.st.lock().launched.iter().all(|s| s >= seq),
             Need::P2p { world, key, k } => world.st.lock().p2p.get(key).copied().unwrap_or(0) >= *k,
         }
@@ -134,7 +139,8 @@ pub(super) fn launch(comm: &Arc<Comm>, body: &Arc<Body>, ticket: Arc<Ticket>) ->
     let g = Inflight(comm.clone());
     let need = match world {
         None => Need::Never,
-        Some(world) => {
+        Some(Peers::Net(_)) => Need::Met,
+        Some(Peers::Local(world)) => {
             let r = rank as usize;
             let need = {
                 let mut ws = world.st.lock();
@@ -288,20 +294,45 @@ pub(super) fn run(comm: &Arc<Comm>, seq: u64, f: Option<Fault>, body: &Body) {
         comm.wait_aborted();
         return;
     };
-    let outcome = match body {
-        Body::Coll(d) => run_coll(&world, rank, seq, *d),
-        Body::Send {
-            peer,
-            buf,
-            count,
-            dt,
-        } => run_send(&world, rank, *peer, *buf, *count, *dt),
-        Body::Recv {
-            peer,
-            buf,
-            count,
-            dt,
-        } => run_recv(&world, rank, *peer, *buf, *count, *dt),
+    let outcome = match (&world, body) {
+        (Peers::Local(w), Body::Coll(d)) => run_coll(w, rank, seq, *d),
+        (Peers::Net(m), Body::Coll(d)) => m.run_coll(seq, *d),
+        (
+            Peers::Local(w),
+            Body::Send {
+                peer,
+                buf,
+                count,
+                dt,
+            },
+        ) => run_send(w, rank, *peer, *buf, *count, *dt),
+        (
+            Peers::Net(m),
+            Body::Send {
+                peer,
+                buf,
+                count,
+                dt,
+            },
+        ) => m.run_send(*peer, *buf, *count, *dt),
+        (
+            Peers::Local(w),
+            Body::Recv {
+                peer,
+                buf,
+                count,
+                dt,
+            },
+        ) => run_recv(w, rank, *peer, *buf, *count, *dt),
+        (
+            Peers::Net(m),
+            Body::Recv {
+                peer,
+                buf,
+                count,
+                dt,
+            },
+        ) => m.run_recv(*peer, *buf, *count, *dt),
     };
     match outcome {
         Some(Ok(())) if f == Some(Fault::Async) => {

@@ -17,6 +17,8 @@ use super::TICK;
 use super::comm::{ABORTED, COMMS, Comm, lookup, lookup_any};
 use super::errors::{entry, out};
 use super::init::unjoin;
+use super::net;
+use super::world::Peers;
 
 /// `ncclCommFinalize`: flushes the communicator's work (non-blocking
 /// communicators report `ncclInProgress` while work is pending).
@@ -54,11 +56,19 @@ pub extern "C" fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t {
                 c.cv.wait_for(&mut st, TICK);
             }
         }
-        wait_peer_devices_idle(&c);
-        COMMS.remove(c.id);
-        if c.st.lock().world.is_none() {
-            unjoin(&c);
+        let world = c.st.lock().world.clone();
+        match world {
+            Some(Peers::Local(_)) => wait_peer_devices_idle(&c),
+            Some(Peers::Net(m)) => m.close(),
+            None => {
+                // An init still under way on a bootstrap or mesh thread
+                // gives up.
+                c.aborted.store(true, Ordering::Release);
+                unjoin(&c);
+                net::forget(c.id);
+            }
         }
+        COMMS.remove(c.id);
         Ok(ncclResult_t::ncclSuccess)
     })
 }
@@ -67,8 +77,10 @@ pub extern "C" fn ncclCommDestroy(comm: ncclComm_t) -> ncclResult_t {
 /// devices, which waits for those devices: while another communicator has
 /// work in flight on a peer's device (work that may be waiting for this
 /// rank), the destroy does not return, until this communicator is aborted.
+/// (Peers in other processes have devices of their own process: this wait
+/// is not emulated across processes.)
 pub(super) fn wait_peer_devices_idle(c: &Comm) {
-    let Some(world) = c.st.lock().world.clone() else {
+    let Some(world) = c.st.lock().world.as_ref().and_then(Peers::local).cloned() else {
         return;
     };
     let peers: BTreeSet<i32> = world
@@ -111,14 +123,18 @@ pub extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
             (st.rank, st.world.clone())
         };
         match world {
-            Some(w) => {
+            Some(Peers::Local(w)) => {
                 let mut st = w.st.lock();
                 if let Some(a) = st.aborted.get_mut(rank as usize) {
                     *a = true;
                 }
                 w.cv.notify_all();
             }
-            None => unjoin(&c),
+            Some(Peers::Net(m)) => m.close(),
+            None => {
+                unjoin(&c);
+                net::forget(c.id);
+            }
         }
         Ok(ncclResult_t::ncclSuccess)
     })

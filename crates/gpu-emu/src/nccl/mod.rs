@@ -1,19 +1,23 @@
 //! The emulated NCCL: communicators, groups, collectives, send/recv,
 //! registration, errors and fault injection hooks.
 //!
-//! Ranks are threads of one process. Communicators of one unique id meet in
-//! a process-wide registry; once all ranks have joined they share a
-//! [`World`], where collectives meet by sequence number and sends post
-//! copies of their data into per-pair mailboxes.
+//! Ranks of one unique id meet in a process-wide registry of the process
+//! that made the id. When every rank is a thread of that process they
+//! share a `World` (`world`), where collectives meet by sequence number and
+//! sends post copies of their data into per-pair mailboxes; when some are
+//! other processes, every rank gets a mesh of loopback links (`net`), and
+//! each computes its own outputs from its peers' messages.
 //!
 //! Invariants:
 //! - A collective's sequence number is taken at launch (the API call, or the
 //!   graph launch of captured work), so every rank agrees on matching.
-//! - A collective is computed once, by the last rank to arrive, under the
-//!   world's lock: every input is read before any output is written
-//!   (in-place works), and no output is written once a participant has
-//!   aborted, so an aborted rank's buffers are never touched after
-//!   `ncclCommAbort` returns.
+//! - In process, a collective is computed once, by the last rank to
+//!   arrive, under the world's lock: every input is read before any output
+//!   is written (in-place works), and no output is written once a
+//!   participant has aborted, so an aborted rank's buffers are never
+//!   touched after `ncclCommAbort` returns. Across processes each rank
+//!   writes only its own outputs, under its mesh's lock, never after its
+//!   abort returns.
 //! - Waits are condition-variable waits with a short timeout that re-check
 //!   the waiter's abort flag, so abort releases them promptly.
 //! - Reductions run in rank order; 16-bit floats are computed in `f32` and
@@ -56,7 +60,8 @@
 //! windows, `ncclMemAlloc`), `errors` (result texts, last errors); and the
 //! machinery under them: `comm` (communicators, their strong-stream
 //! chain, configs), `launch` (launching work onto streams, background
-//! enqueues, running it), `world` (the in-process meeting of ranks) and
+//! enqueues, running it), `world` (the in-process meeting of ranks),
+//! `net` (ranks in several processes: bootstrap, links, wire format) and
 //! `data` (element types and reductions).
 
 use std::ffi::c_int;
@@ -72,6 +77,7 @@ pub(crate) mod group;
 pub(crate) mod init;
 mod launch;
 pub(crate) mod lifecycle;
+mod net;
 pub(crate) mod ops;
 pub(crate) mod reg;
 pub(crate) mod split;

@@ -12,10 +12,12 @@ use std::sync::atomic::Ordering;
 
 use nccl_sys::{NCCL_SPLIT_NOCOLOR, ncclComm_t, ncclConfig_t, ncclResult_t};
 
+use super::R;
 use super::comm::{COMMS, Cfg, Chain, Comm, lookup, parse_config};
-use super::errors::{entry, fail};
+use super::errors::{entry, err, fail};
 use super::group::{GROUP, grouped, in_group};
-use super::world::{SplitEntry, World};
+use super::net::{self, Mesh};
+use super::world::{Peers, SplitEntry, World};
 use crate::put;
 
 /// `ncclCommSplit`: a collective over the parent; ranks of one color form a
@@ -76,40 +78,9 @@ pub unsafe extern "C" fn ncclCommSplit(
             // SAFETY: `newcomm` is non-null and valid (this function's contract).
             unsafe { put(newcomm, h) };
             let seq = parent.split_seq.fetch_add(1, Ordering::AcqRel) + 1;
-            {
-                let mut st = world.st.lock();
-                let entries = st
-                    .splits
-                    .entry(seq)
-                    .or_insert_with(|| std::iter::repeat_with(|| None).take(n).collect());
-                entries[rank] = Some(SplitEntry {
-                    color,
-                    key,
-                    comm: child.clone(),
-                });
-                if entries.iter().all(Option::is_some) {
-                    let entries: Vec<SplitEntry> = st
-                        .splits
-                        .remove(&seq)
-                        .unwrap_or_default()
-                        .into_iter()
-                        .flatten()
-                        .collect();
-                    let mut by_color: BTreeMap<i32, Vec<(i32, usize, Arc<Comm>)>> = BTreeMap::new();
-                    for (r, e) in entries.into_iter().enumerate() {
-                        if let Some(c) = e.comm {
-                            by_color.entry(e.color).or_default().push((e.key, r, c));
-                        }
-                    }
-                    for (_, mut members) in by_color {
-                        members.sort_by_key(|(k, r, _)| (*k, *r));
-                        let w = World::new(members.iter().map(|(_, _, c)| c.device).collect());
-                        let len = members.len() as i32;
-                        for (i, (_, _, c)) in members.into_iter().enumerate() {
-                            c.set_world(i as i32, len, w.clone());
-                        }
-                    }
-                }
+            match world {
+                Peers::Local(w) => meet_local(&w, seq, rank, n, color, key, &child),
+                Peers::Net(m) => meet_net(&m, seq, rank, color, key, &child)?,
             }
             let Some(child) = child else {
                 return Ok(ncclResult_t::ncclSuccess);
@@ -133,4 +104,86 @@ pub unsafe extern "C" fn ncclCommSplit(
             Ok(ncclResult_t::ncclSuccess)
         })())
     })
+}
+
+/// Adds this rank's part in split `seq` to the in-process world; the last
+/// rank to arrive makes every child's world.
+fn meet_local(
+    world: &World,
+    seq: u64,
+    rank: usize,
+    n: usize,
+    color: i32,
+    key: i32,
+    child: &Option<Arc<Comm>>,
+) {
+    let mut st = world.st.lock();
+    let entries = st
+        .splits
+        .entry(seq)
+        .or_insert_with(|| std::iter::repeat_with(|| None).take(n).collect());
+    entries[rank] = Some(SplitEntry {
+        color,
+        key,
+        comm: child.clone(),
+    });
+    if !entries.iter().all(Option::is_some) {
+        return;
+    }
+    let entries: Vec<SplitEntry> = st
+        .splits
+        .remove(&seq)
+        .unwrap_or_default()
+        .into_iter()
+        .flatten()
+        .collect();
+    let mut by_color: BTreeMap<i32, Vec<(i32, usize, Arc<Comm>)>> = BTreeMap::new();
+    for (r, e) in entries.into_iter().enumerate() {
+        if let Some(c) = e.comm {
+            by_color.entry(e.color).or_default().push((e.key, r, c));
+        }
+    }
+    for (_, mut members) in by_color {
+        members.sort_by_key(|(k, r, _)| (*k, *r));
+        let w = World::new(members.iter().map(|(_, _, c)| c.device).collect());
+        let len = members.len() as i32;
+        for (i, (_, _, c)) in members.into_iter().enumerate() {
+            c.set_world(i as i32, len, Peers::Local(w.clone()));
+        }
+    }
+}
+
+/// Tells every peer process this rank's part in split `seq`; a child then
+/// waits for every rank's part and builds its mesh on a thread of its own,
+/// routed by its parent rank under a key every rank derives alike.
+fn meet_net(
+    mesh: &Arc<Mesh>,
+    seq: u64,
+    rank: usize,
+    color: i32,
+    key: i32,
+    child: &Option<Arc<Comm>>,
+) -> R<()> {
+    let ckey = net::child_key(mesh.key, seq);
+    let joining = match child {
+        Some(c) => Some(
+            net::expect(ckey, rank as u32, c.id)
+                .map_err(|m| err(ncclResult_t::ncclInvalidArgument, m))?,
+        ),
+        None => None,
+    };
+    if let Err((code, msg)) = mesh.send_split(seq, color, key) {
+        if let Some(c) = child {
+            net::forget(c.id);
+            c.fail_init(code, &msg);
+        }
+        return fail(code, msg);
+    }
+    match (child, joining) {
+        (Some(c), Some(j)) => {
+            net::build::spawn_child(mesh.clone(), c.clone(), j, ckey, seq, (color, key))
+        }
+        _ => mesh.discard_splits(seq),
+    }
+    Ok(())
 }

@@ -18,6 +18,7 @@ use parking_lot::{Condvar, Mutex};
 use super::TICK;
 use super::comm::Comm;
 use super::data::{Dt, Op, reduce};
+use super::net::Mesh;
 use crate::memory::{self, Span};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,6 +34,11 @@ pub(super) enum Kind {
 }
 
 impl Kind {
+    /// Its number on the wire.
+    pub(super) fn code(self) -> u8 {
+        self as u8
+    }
+
     pub(super) fn reduces(self) -> bool {
         matches!(self, Kind::AllReduce | Kind::Reduce | Kind::ReduceScatter)
     }
@@ -101,6 +107,25 @@ pub(super) struct WorldSt {
     pub(super) slots: BTreeMap<u64, Slot>,
     pub(super) mail: BTreeMap<(usize, usize), VecDeque<Msg>>,
     pub(super) splits: BTreeMap<u64, Vec<Option<SplitEntry>>>,
+}
+
+/// Where a ready communicator's peers are.
+#[derive(Clone)]
+pub(super) enum Peers {
+    /// Threads of this process: the in-process world.
+    Local(Arc<World>),
+    /// Ranks of other processes (and maybe this one), over sockets.
+    Net(Arc<Mesh>),
+}
+
+impl Peers {
+    /// The in-process world, if that is where the peers are.
+    pub(super) fn local(&self) -> Option<&Arc<World>> {
+        match self {
+            Peers::Local(w) => Some(w),
+            Peers::Net(_) => None,
+        }
+    }
 }
 
 /// The ranks of one communicator, once all have joined.
