@@ -100,6 +100,23 @@ pub(crate) struct Mesh {
     cv: Condvar,
 }
 
+/// Why a link ended without `Bye`: its end or its error, if any.
+fn gone_reason(e: Option<&std::io::Error>) -> String {
+    use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
+    match e {
+        None => "its process exited or was killed (its link ended without a goodbye)".into(),
+        Some(e)
+            if matches!(
+                e.kind(),
+                BrokenPipe | ConnectionAborted | ConnectionReset | UnexpectedEof
+            ) =>
+        {
+            format!("its process exited or was killed (its link ended without a goodbye: {e})")
+        }
+        Some(e) => format!("its link failed: {e}"),
+    }
+}
+
 fn remote(msg: String) -> CollErr {
     (ncclResult_t::ncclRemoteError, msg)
 }
@@ -162,10 +179,13 @@ impl Mesh {
         self.closed.load(Ordering::Acquire)
     }
 
+    /// Marks `j` lost (unless it left) with the text every wait and send
+    /// that needs it reports.
     fn lost(&self, j: usize, why: String) {
+        let msg = format!("{} is gone: {why}", self.who(j));
         let mut st = self.st.lock();
         if let Some(p @ Some(Peer::Up)) = st.peers.get_mut(j) {
-            *p = Some(Peer::Lost(why));
+            *p = Some(Peer::Lost(msg));
         }
         self.cv.notify_all();
     }
@@ -183,26 +203,13 @@ impl Mesh {
         loop {
             let f = match wire::read_frame(&link.s, &stop) {
                 Ok(Some(f)) => f,
-                Ok(None) if cur.is_none() => {
-                    self.lost(
-                        j,
-                        format!(
-                            "the link to {} ended without a goodbye: the process exited or was killed",
-                            self.who(j)
-                        ),
-                    );
-                    return;
-                }
                 Ok(None) => {
-                    self.lost(
-                        j,
-                        format!("the link to {} ended inside a message", self.who(j)),
-                    );
+                    self.lost(j, gone_reason(None));
                     return;
                 }
                 Err(e) => {
                     if !self.is_closed() {
-                        self.lost(j, format!("the link to {} failed: {e}", self.who(j)));
+                        self.lost(j, gone_reason(Some(&e)));
                     }
                     return;
                 }
@@ -246,7 +253,7 @@ impl Mesh {
                         Partial::P2p(m, t) => (&mut m.data, *t),
                     };
                     if data.len() + b.len() > total {
-                        self.lost(j, format!("{} sent more than it announced", self.who(j)));
+                        self.lost(j, "it sent more than it announced".into());
                         return;
                     }
                     data.extend_from_slice(&b);
@@ -267,7 +274,7 @@ impl Mesh {
                     self.cv.notify_all();
                 }
                 (other, _) => {
-                    self.lost(j, format!("{} sent an unexpected {other:?}", self.who(j)));
+                    self.lost(j, format!("it sent an unexpected {other:?}"));
                     return;
                 }
             }
@@ -317,9 +324,11 @@ impl Mesh {
                 if self.st.lock().peers.get(j) == Some(&Some(Peer::Left)) {
                     return Some(Ok(()));
                 }
-                let why = format!("sending to {} failed: {e}", self.who(j));
-                self.lost(j, why.clone());
-                Some(Err(remote(why)))
+                self.lost(j, gone_reason(Some(&e)));
+                match self.st.lock().peers.get(j) {
+                    Some(Some(Peer::Lost(why))) => Some(Err(remote(why.clone()))),
+                    _ => Some(Ok(())),
+                }
             }
         }
     }
@@ -345,7 +354,7 @@ impl Mesh {
                 if let Some(Some(Peer::Lost(why))) = st.peers.get(j)
                     && !has(&st, j)
                 {
-                    return Some(Err(remote(format!("{} is gone: {why}", self.who(j)))));
+                    return Some(Err(remote(why.clone())));
                 }
             }
             self.cv.wait_for(&mut st, IO_TICK);
@@ -570,7 +579,7 @@ impl Mesh {
                 if let Some(Some(Peer::Lost(why))) = st.peers.get(j)
                     && !st.splits.contains_key(&(seq, j))
                 {
-                    return Some(Err(remote(format!("{} is gone: {why}", self.who(j)))));
+                    return Some(Err(remote(why.clone())));
                 }
             }
             self.cv.wait_for(&mut st, IO_TICK);
