@@ -379,9 +379,14 @@ impl Mesh {
         let (n, r) = (self.eps.len(), self.rank);
         let b = d.count * d.dt.size();
         let (sn, _) = d.kind.sizes(d.count, n, r == d.root)?;
-        let own = match read(d.send, sn * d.dt.size()) {
-            Ok(v) => v,
-            Err(e) => return Some(Err(e)),
+        // A rank that sends nothing (a broadcast's non-root, a scatter's)
+        // may pass any send pointer: it is not read.
+        let own = match sn {
+            0 => Vec::new(),
+            _ => match read(d.send, sn * d.dt.size()) {
+                Ok(v) => v,
+                Err(e) => return Some(Err(e)),
+            },
         };
         let block = |j: usize| own.get(j * b..(j + 1) * b).unwrap_or(&[]);
         let for_peer = |j: usize| -> &[u8] {
