@@ -6,8 +6,9 @@
 //! element checked, payloads past one wire chunk), a split across
 //! processes, a peer killed in the middle of a collective (the survivor's
 //! work ends with `ncclRemoteError`), a peer that destroyed its
-//! communicator (the survivor blocks until it aborts), and an id whose
-//! root process is gone (init fails at once).
+//! communicator (the survivor blocks until it aborts), a fault named by
+//! rank in `METRALE_EMU_FAULTS` acting in that rank's process, and an id
+//! whose root process is gone (init fails at once).
 //!
 //! Invariant: every wait for a child or a stream has a deadline, and a
 //! child is killed when a test gives up on it.
@@ -47,7 +48,20 @@ fn unhex(s: &str) -> ncclUniqueId {
 
 /// Runs this binary's `child` test as `role` for rank `rank` of `n`.
 fn spawn(role: &str, rank: usize, n: usize, id: &ncclUniqueId, seed: u64) -> Child {
+    spawn_with(role, rank, n, id, seed, &[])
+}
+
+/// [`spawn`] with extra environment variables.
+fn spawn_with(
+    role: &str,
+    rank: usize,
+    n: usize,
+    id: &ncclUniqueId,
+    seed: u64,
+    env: &[(&str, &str)],
+) -> Child {
     Command::new(std::env::current_exe().expect("current exe"))
+        .envs(env.iter().copied())
         .args(["--exact", "child", "--nocapture", "--test-threads", "1"])
         .env(ROLE, format!("{role}:{rank}:{n}"))
         .env(ID, hex(id))
@@ -464,6 +478,21 @@ fn child() {
             std::thread::sleep(Duration::from_secs(60));
             std::process::exit(3);
         }
+        "async_fault" => {
+            // METRALE_EMU_FAULTS names this rank: its operation completes,
+            // then its communicator reports the error.
+            set_device(rank as i32);
+            let comm = init(n as i32, id, rank as i32);
+            let s = stream();
+            one_all_reduce(comm, s, rank, seed);
+            assert_eq!(async_error(comm), ncclResult_t::ncclSystemError);
+            assert!(
+                last_error(comm).contains("injected"),
+                "{}",
+                last_error(comm)
+            );
+            nck(abort(comm));
+        }
         "make_id" => {
             cuda();
             println!("ID={}", hex(&unique_id()));
@@ -553,6 +582,26 @@ fn a_peer_that_destroyed_its_communicator_blocks_the_survivor_until_abort() {
     destroy_stream(s);
     free(send);
     free(recv);
+}
+
+#[test]
+fn faults_by_rank_from_the_environment_act_in_the_rank_process() {
+    set_device(0);
+    let id = unique_id();
+    let seed: u64 = rand::random();
+    let faults = [("METRALE_EMU_FAULTS", "1:async@1")];
+    let mut kid = spawn_with("async_fault", 1, 2, &id, seed, &faults);
+    let comm = init(2, id, 0);
+    let s = stream();
+    one_all_reduce(comm, s, 0, seed);
+    wait_ok(&mut kid, Duration::from_secs(30));
+    assert_eq!(
+        async_error(comm),
+        ncclResult_t::ncclSuccess,
+        "rank 0 has no fault"
+    );
+    nck(abort(comm));
+    destroy_stream(s);
 }
 
 #[test]
