@@ -1,8 +1,9 @@
 //! The multi-rank integration suite of metrale-comm: one set of scenarios,
 //! written once against the public APIs of `nccl-safe` and `metrale-comm`,
-//! run on the CPU emulator by `cargo test` (ranks as threads) and on GPUs by
-//! `cargo xtask gpu-test` (ranks as threads, as processes, or as processes
-//! over NCCL's socket transport).
+//! run on the CPU emulator by `cargo test` (ranks as threads, and as
+//! processes through the orchestrator) and on GPUs by `cargo xtask
+//! gpu-test` (ranks as threads, as processes, or as processes over NCCL's
+//! socket transport).
 //!
 //! Invariants:
 //! - A scenario body runs once per rank with a [`RankCtx`]; it returns `Ok`

@@ -9,7 +9,13 @@
 use crate::driver::*;
 use crate::kernels::*;
 use crate::memory::*;
-use crate::nccl::*;
+use crate::nccl::errors::*;
+use crate::nccl::group::*;
+use crate::nccl::init::*;
+use crate::nccl::lifecycle::*;
+use crate::nccl::ops::*;
+use crate::nccl::reg::*;
+use crate::nccl::split::*;
 use crate::stream::*;
 
 fn same<T, E>(_: &Result<T, E>, _: T) {}

@@ -36,12 +36,21 @@
 //! - **Kernels**: `cuModuleLoadData` reads the `.entry` names of PTX text;
 //!   the project's kernel `bf16_add_inplace` runs on the host with the GPU's
 //!   arithmetic (`bf16(f32(dst) + f32(src))`, round to nearest even).
-//! - **NCCL 2.28.3**: ranks are threads of one process; communicators of one
-//!   unique id meet in a process-wide registry. Blocking and non-blocking
-//!   init, split, groups, every collective and send/recv, all data types but
-//!   fp8, every built-in reduction (16-bit floats are added in `f32` and
-//!   rounded after each add, in rank order), registration, windows,
-//!   `ncclMemAlloc`, abort, finalize, destroy and asynchronous errors.
+//! - **NCCL 2.28.3**: blocking and non-blocking init, split, groups, every
+//!   collective and send/recv, all data types but fp8, every built-in
+//!   reduction (16-bit floats are added in `f32` and rounded after each add,
+//!   in rank order), registration, windows, `ncclMemAlloc`, abort, finalize,
+//!   destroy and asynchronous errors.
+//! - **Ranks**: threads of one process, or separate processes. The ranks of
+//!   a unique id meet in a registry of the process that made the id (its
+//!   bootstrap root, which listens on a loopback port named in the id);
+//!   when all are threads of that process they share memory directly, and
+//!   otherwise every rank joins a mesh of TCP links over loopback that
+//!   carry the operations' bytes (`nccl/net`: its module doc gives the wire
+//!   format). A peer process that dies (no goodbye on its links) makes the
+//!   survivors' work that needs it fail with `ncclRemoteError` as the
+//!   asynchronous error; a peer that destroyed or aborted its communicator
+//!   leaves them blocked until they abort, as in process.
 //! - **Ordering**: each communicator runs its launches (an operation, its
 //!   part of a group, its captured operations at each graph launch) in issue
 //!   order across every stream, as NCCL 2.28.3's strong stream
@@ -83,6 +92,15 @@
 //!   and `ncclRedOpCreatePreMulSum` return `ncclInvalidUsage`.
 //! - When a rank aborts, its peers stay blocked in the collective until they
 //!   abort too, as with real NCCL.
+//! - Across processes: a non-blocking communicator's first operation does
+//!   not wait for the peers' matching launches (lazy connection is only
+//!   emulated in process); `ncclCommDestroy` does not wait for the peers'
+//!   devices (they are another process's); `metrale_emu_inject` acts on
+//!   the ranks of the calling process (`METRALE_EMU_FAULTS` is read by
+//!   each); the process that made the id must live until every rank has
+//!   joined (a rank whose root is gone fails its init at once with
+//!   `ncclSystemError`); ranks are on one host (loopback), at most 4096
+//!   (more is `ncclInvalidUsage`, "not emulated across processes").
 //!
 //! # Control API
 //! Exported C functions, resolved by the suite from the same library:
@@ -101,7 +119,9 @@
 //! - Handles are ids from one never-reused counter, looked up in tables, so a
 //!   stale or foreign handle is an error, never a dangling dereference.
 //! - No lock is held while blocking on another rank except through a
-//!   condition variable wait with a short timeout, so abort is prompt.
+//!   condition variable wait with a short timeout, so abort is prompt; a
+//!   socket read or write blocks at most a short tick between checks of
+//!   its communicator's abort flag.
 
 #![allow(non_snake_case)]
 

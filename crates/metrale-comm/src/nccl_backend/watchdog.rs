@@ -149,7 +149,8 @@ impl Inner {
             self.poison(op, seq, FailureKind::AsyncError(e));
             return;
         }
-        self.recorder.set_completed(done.iter().map(|(_, seq, _)| *seq));
+        self.recorder
+            .set_completed(done.iter().map(|(_, seq, _)| *seq));
         self.recycle(done.into_iter().map(|(_, _, ev)| ev));
     }
 }

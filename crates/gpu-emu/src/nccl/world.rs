@@ -1,0 +1,371 @@
+//! The in-process meeting of a communicator's ranks: a [`World`] where
+//! collectives meet by sequence number and sends post copies of their data
+//! into per-pair mailboxes.
+//!
+//! Invariants: a collective is computed once, by the last rank to arrive,
+//! under the world's lock: every input is read before any output is written
+//! (in-place works), and no output is written once a participant has
+//! aborted, so an aborted rank's buffers are never touched after
+//! `ncclCommAbort` returns. Every access to device memory goes through
+//! `memory::access`, all or nothing.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+
+use nccl_sys::ncclResult_t;
+use parking_lot::{Condvar, Mutex};
+
+use super::TICK;
+use super::comm::Comm;
+use super::data::{Dt, Op, reduce};
+use super::net::Mesh;
+use crate::memory::{self, Span};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kind {
+    AllReduce,
+    Broadcast,
+    Reduce,
+    AllGather,
+    ReduceScatter,
+    AlltoAll,
+    Gather,
+    Scatter,
+}
+
+impl Kind {
+    /// Its number on the wire.
+    pub(super) fn code(self) -> u8 {
+        self as u8
+    }
+
+    pub(super) fn reduces(self) -> bool {
+        matches!(self, Kind::AllReduce | Kind::Reduce | Kind::ReduceScatter)
+    }
+
+    pub(super) fn rooted(self) -> bool {
+        matches!(
+            self,
+            Kind::Broadcast | Kind::Reduce | Kind::Gather | Kind::Scatter
+        )
+    }
+
+    /// (send, recv) sizes in elements for `rank`; 0 when unused.
+    pub(super) fn sizes(self, count: usize, n: usize, is_root: bool) -> Option<(usize, usize)> {
+        let nc = count.checked_mul(n)?;
+        let root = |v: usize| if is_root { v } else { 0 };
+        Some(match self {
+            Kind::AllReduce => (count, count),
+            Kind::Broadcast => (root(count), count),
+            Kind::Reduce => (count, root(count)),
+            Kind::AllGather => (count, nc),
+            Kind::ReduceScatter => (nc, count),
+            Kind::AlltoAll => (nc, nc),
+            Kind::Gather => (count, root(nc)),
+            Kind::Scatter => (root(nc), count),
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Desc {
+    pub(super) kind: Kind,
+    pub(super) send: u64,
+    pub(super) recv: u64,
+    pub(super) count: usize,
+    pub(super) dt: Dt,
+    pub(super) op: Op,
+    pub(super) root: usize,
+}
+
+pub(super) struct Slot {
+    pub(super) descs: Vec<Option<Desc>>,
+    pub(super) done: bool,
+    pub(super) error: Option<(ncclResult_t, String)>,
+    pub(super) left: usize,
+}
+
+pub(super) struct Msg {
+    pub(super) data: Vec<u8>,
+    pub(super) count: usize,
+    pub(super) dt: Dt,
+}
+
+pub(super) struct SplitEntry {
+    pub(super) color: i32,
+    pub(super) key: i32,
+    pub(super) comm: Option<Arc<Comm>>,
+}
+
+pub(super) struct WorldSt {
+    pub(super) aborted: Vec<bool>,
+    /// The highest collective sequence number each rank has launched.
+    pub(super) launched: Vec<u64>,
+    /// Point-to-point operations launched, by (source, destination, is the
+    /// send side).
+    pub(super) p2p: BTreeMap<(usize, usize, bool), u64>,
+    pub(super) slots: BTreeMap<u64, Slot>,
+    pub(super) mail: BTreeMap<(usize, usize), VecDeque<Msg>>,
+    pub(super) splits: BTreeMap<u64, Vec<Option<SplitEntry>>>,
+}
+
+/// Where a ready communicator's peers are.
+#[derive(Clone)]
+pub(super) enum Peers {
+    /// Threads of this process: the in-process world.
+    Local(Arc<World>),
+    /// Ranks of other processes (and maybe this one), over sockets.
+    Net(Arc<Mesh>),
+}
+
+impl Peers {
+    /// The in-process world, if that is where the peers are.
+    pub(super) fn local(&self) -> Option<&Arc<World>> {
+        match self {
+            Peers::Local(w) => Some(w),
+            Peers::Net(_) => None,
+        }
+    }
+}
+
+/// The ranks of one communicator, once all have joined.
+pub(super) struct World {
+    pub(super) n: usize,
+    /// Each rank's device.
+    pub(super) devices: Vec<i32>,
+    pub(super) st: Mutex<WorldSt>,
+    pub(super) cv: Condvar,
+}
+
+impl World {
+    pub(super) fn new(devices: Vec<i32>) -> Arc<World> {
+        let n = devices.len();
+        Arc::new(World {
+            n,
+            devices,
+            st: Mutex::new(WorldSt {
+                aborted: vec![false; n],
+                launched: vec![0; n],
+                p2p: BTreeMap::new(),
+                slots: BTreeMap::new(),
+                mail: BTreeMap::new(),
+                splits: BTreeMap::new(),
+            }),
+            cv: Condvar::new(),
+        })
+    }
+}
+
+pub(super) type CollErr = (ncclResult_t, String);
+
+pub(super) fn illegal() -> CollErr {
+    (
+        ncclResult_t::ncclUnhandledCudaError,
+        "illegal memory access: a buffer was freed while an operation used it".into(),
+    )
+}
+
+/// A copy of `[p, p + len)`, read while the range is held live.
+pub(super) fn read(p: u64, len: usize) -> Result<Vec<u8>, CollErr> {
+    let mut v = vec![0u8; len];
+    let to = v.as_mut_ptr() as usize as u64;
+    // SAFETY: `[p, p + len)` is a live device allocation for the whole copy
+    // (`access` holds the registry until it returns) and `v` holds `len`
+    // bytes.
+    memory::access(&[Span::device(p, len)], || unsafe {
+        memory::copy(to, p, len)
+    })
+    .ok_or_else(illegal)?;
+    Ok(v)
+}
+
+/// Writes every `(destination, bytes)` pair, all or none: only if every
+/// destination is live, held live until the last byte is written.
+pub(super) fn write_all(writes: &[(u64, Vec<u8>)]) -> Result<(), CollErr> {
+    let spans: Vec<Span> = writes
+        .iter()
+        .map(|(p, v)| Span::device(*p, v.len()))
+        .collect();
+    memory::access(&spans, || {
+        for (p, v) in writes {
+            // SAFETY: every destination is a live device allocation for the
+            // whole loop (`access` holds the registry) and `v` holds the
+            // bytes to copy.
+            unsafe { memory::copy(*p, v.as_ptr() as usize as u64, v.len()) };
+        }
+    })
+    .ok_or_else(illegal)
+}
+
+/// Computes a collective from every rank's descriptor and writes outputs.
+pub(super) fn compute(descs: &[Desc]) -> Result<(), CollErr> {
+    let n = descs.len();
+    let d0 = descs[0];
+    if descs.iter().any(|d| {
+        d.kind != d0.kind
+            || d.count != d0.count
+            || d.dt != d0.dt
+            || d.op != d0.op
+            || d.root != d0.root
+    }) {
+        return Err((
+            ncclResult_t::ncclInvalidUsage,
+            format!("mismatched {:?} arguments across ranks", d0.kind),
+        ));
+    }
+    let b = d0.count * d0.dt.size();
+    let root = d0.root;
+    let mut writes: Vec<(u64, Vec<u8>)> = Vec::new();
+    match d0.kind {
+        Kind::AllReduce | Kind::Reduce => {
+            let ins = descs
+                .iter()
+                .map(|d| read(d.send, b))
+                .collect::<Result<Vec<_>, _>>()?;
+            let acc = reduce(d0.dt, d0.op, &ins);
+            if d0.kind == Kind::AllReduce {
+                writes.extend(descs.iter().map(|d| (d.recv, acc.clone())));
+            } else {
+                writes.push((descs[root].recv, acc));
+            }
+        }
+        Kind::Broadcast => {
+            let data = read(descs[root].send, b)?;
+            writes.extend(descs.iter().map(|d| (d.recv, data.clone())));
+        }
+        Kind::AllGather | Kind::Gather => {
+            let mut all = Vec::with_capacity(b * n);
+            for d in descs {
+                all.extend(read(d.send, b)?);
+            }
+            if d0.kind == Kind::AllGather {
+                writes.extend(descs.iter().map(|d| (d.recv, all.clone())));
+            } else {
+                writes.push((descs[root].recv, all));
+            }
+        }
+        Kind::ReduceScatter => {
+            let ins = descs
+                .iter()
+                .map(|d| read(d.send, b * n))
+                .collect::<Result<Vec<_>, _>>()?;
+            let acc = reduce(d0.dt, d0.op, &ins);
+            for (r, d) in descs.iter().enumerate() {
+                writes.push((d.recv, acc[r * b..(r + 1) * b].to_vec()));
+            }
+        }
+        Kind::AlltoAll => {
+            let ins = descs
+                .iter()
+                .map(|d| read(d.send, b * n))
+                .collect::<Result<Vec<_>, _>>()?;
+            for (r, d) in descs.iter().enumerate() {
+                let mut o = Vec::with_capacity(b * n);
+                for x in &ins {
+                    o.extend_from_slice(&x[r * b..(r + 1) * b]);
+                }
+                writes.push((d.recv, o));
+            }
+        }
+        Kind::Scatter => {
+            let all = read(descs[root].send, b * n)?;
+            for (r, d) in descs.iter().enumerate() {
+                writes.push((d.recv, all[r * b..(r + 1) * b].to_vec()));
+            }
+        }
+    }
+    write_all(&writes)
+}
+
+/// `None` when the rank aborted before the collective completed.
+pub(super) fn run_coll(w: &World, r: usize, seq: u64, d: Desc) -> Option<Result<(), CollErr>> {
+    let n = w.n;
+    let mut st = w.st.lock();
+    if st.aborted[r] {
+        return None;
+    }
+    let any_aborted = st.aborted.iter().any(|a| *a);
+    let slot = st.slots.entry(seq).or_insert_with(|| Slot {
+        descs: vec![None; n],
+        done: false,
+        error: None,
+        left: 0,
+    });
+    slot.descs[r] = Some(d);
+    if !slot.done && !any_aborted && slot.descs.iter().all(Option::is_some) {
+        let descs: Vec<Desc> = slot.descs.iter().flatten().copied().collect();
+        slot.error = compute(&descs).err();
+        slot.done = true;
+        w.cv.notify_all();
+    }
+    loop {
+        let aborted = st.aborted[r];
+        let slot = st.slots.get_mut(&seq)?;
+        if slot.done {
+            slot.left += 1;
+            let e = slot.error.clone();
+            if slot.left == n {
+                st.slots.remove(&seq);
+            }
+            return Some(e.map_or(Ok(()), Err));
+        }
+        if aborted {
+            return None;
+        }
+        w.cv.wait_for(&mut st, TICK);
+    }
+}
+
+pub(super) fn run_send(
+    w: &World,
+    r: usize,
+    peer: usize,
+    buf: u64,
+    count: usize,
+    dt: Dt,
+) -> Option<Result<(), CollErr>> {
+    let mut st = w.st.lock();
+    if st.aborted[r] {
+        return None;
+    }
+    let data = match read(buf, count * dt.size()) {
+        Ok(d) => d,
+        Err(e) => return Some(Err(e)),
+    };
+    st.mail
+        .entry((r, peer))
+        .or_default()
+        .push_back(Msg { data, count, dt });
+    w.cv.notify_all();
+    Some(Ok(()))
+}
+
+pub(super) fn run_recv(
+    w: &World,
+    r: usize,
+    peer: usize,
+    buf: u64,
+    count: usize,
+    dt: Dt,
+) -> Option<Result<(), CollErr>> {
+    let mut st = w.st.lock();
+    let m = loop {
+        if st.aborted[r] {
+            return None;
+        }
+        if let Some(m) = st.mail.get_mut(&(peer, r)).and_then(VecDeque::pop_front) {
+            break m;
+        }
+        w.cv.wait_for(&mut st, TICK);
+    };
+    if m.count != count || m.dt != dt {
+        return Some(Err((
+            ncclResult_t::ncclInvalidUsage,
+            format!(
+                "recv of {count} {dt:?} from rank {peer} matched a send of {} {:?}",
+                m.count, m.dt
+            ),
+        )));
+    }
+    Some(write_all(&[(buf, m.data)]))
+}
