@@ -5,8 +5,10 @@
 
 pub mod api;
 pub mod backend;
+pub mod integrity;
 pub mod reliability;
 pub mod safe;
+pub mod turns;
 
 use crate::{Needs, Scenario};
 
@@ -267,6 +269,51 @@ pub fn all() -> Vec<Scenario> {
             &[2],
             Nothing,
             reliability::idle_command_wait,
+        ),
+        s(
+            "int_fast_path_streams",
+            "overlapping fast-path all-reduces on three streams and four threads: exact sums",
+            2,
+            Some(2),
+            &[2],
+            Nothing,
+            integrity::fast_path_streams,
+        ),
+        s(
+            "int_mismatch_reported",
+            "an all-reduce failed by mismatched sizes is reported by it, with op and seq",
+            2,
+            Some(2),
+            &[2],
+            EmulatorFaults,
+            integrity::mismatch_reported,
+        ),
+        s(
+            "int_shutdown_after_failure",
+            "shutdown right after a failed fast-path all-reduce returns in time, no crash",
+            2,
+            Some(2),
+            &[2],
+            EmulatorFaults,
+            integrity::shutdown_after_failure,
+        ),
+        s(
+            "int_reconnect_aborts_waiters",
+            "synchronize and recv_command_u32 across attempt_reconnect return an error, not Ok",
+            2,
+            Some(2),
+            &[2],
+            Nothing,
+            integrity::reconnect_aborts_waiters,
+        ),
+        s(
+            "int_shutdown_idle_worker",
+            "shutdown while a thread idles in recv_command_u32 returns promptly, no error",
+            2,
+            Some(2),
+            &[2],
+            Nothing,
+            integrity::shutdown_idle_worker,
         ),
         s(
             "rel_sigkill_rank",

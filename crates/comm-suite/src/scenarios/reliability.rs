@@ -27,7 +27,7 @@ fn short(ctx: &RankCtx) -> metrale_comm::BackendConfig {
 }
 
 /// Resets the emulator's faults when dropped.
-struct ResetFaults<'a>(&'a RankCtx);
+pub(crate) struct ResetFaults<'a>(&'a RankCtx);
 
 impl Drop for ResetFaults<'_> {
     fn drop(&mut self) {
@@ -39,7 +39,9 @@ impl Drop for ResetFaults<'_> {
 
 /// The emulator's fault injection and a guard that clears it when the
 /// scenario ends; on GPUs, the skip error of a scenario that needs it.
-fn fault_injection(ctx: &RankCtx) -> anyhow::Result<(&'static EmuControl, ResetFaults<'_>)> {
+pub(crate) fn fault_injection(
+    ctx: &RankCtx,
+) -> anyhow::Result<(&'static EmuControl, ResetFaults<'_>)> {
     let emu = ctx
         .emu()
         .ok_or_else(|| RankCtx::skip("needs the emulator's fault injection"))?;
