@@ -5,6 +5,7 @@
 
 pub mod api;
 pub mod backend;
+pub mod fuzz;
 pub mod integrity;
 pub mod reliability;
 pub mod safe;
@@ -314,6 +315,15 @@ pub fn all() -> Vec<Scenario> {
             &[2],
             Nothing,
             integrity::shutdown_idle_worker,
+        ),
+        s(
+            "fuzz_schedules",
+            "random seeded programs of every operation, 1-4 threads per rank, shrunk on failure",
+            1,
+            None,
+            &[1, 2, 3],
+            Nothing,
+            fuzz::schedules,
         ),
         s(
             "rel_sigkill_rank",

@@ -14,6 +14,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use comm_suite::orchestrator::{DIR_ENV, SKIP_CODE};
+use comm_suite::scenarios::fuzz;
 use comm_suite::{EmuControl, Outcome, Scenario, analyze_dumps, run_threads, scenarios};
 
 /// The deadline of one scenario run.
@@ -28,11 +29,17 @@ const IN_A_CHILD: &[&str] = &[
     "int_shutdown_after_failure",
     "int_reconnect_aborts_waiters",
     "int_shutdown_idle_worker",
+    "fuzz_schedules",
 ];
 
-/// The deadline of `name`'s run.
-fn deadline(_name: &str) -> Duration {
-    DEADLINE
+/// The deadline of `name`'s run: the fuzzer's grows with its time budget
+/// (`METRALE_FUZZ_SECS`).
+fn deadline(name: &str) -> Duration {
+    if name == "fuzz_schedules" {
+        DEADLINE.max(fuzz::run_limit())
+    } else {
+        DEADLINE
+    }
 }
 
 fn signal_name(sig: i32) -> &'static str {
