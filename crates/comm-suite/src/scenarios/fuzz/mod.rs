@@ -65,7 +65,7 @@ pub const SECS_ENV: &str = "METRALE_FUZZ_SECS";
 /// One seed to run (decimal or `0x` hex) instead of a range.
 pub const SEED_ENV: &str = "METRALE_FUZZ_SEED";
 /// The budget of one run when `METRALE_FUZZ_SECS` is not set.
-pub const DEFAULT_SECS: f64 = 15.0;
+pub const DEFAULT_SECS: f64 = 18.0;
 
 /// The fuzzing time of one run: `METRALE_FUZZ_SECS`, else
 /// [`DEFAULT_SECS`].
