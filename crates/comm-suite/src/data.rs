@@ -114,6 +114,25 @@ pub fn random_vec<T: SuiteElem>(seed: u64, rank: usize, salt: u64, n: usize) -> 
     (0..n).map(|_| T::random(&mut rng)).collect()
 }
 
+/// `n` random non-zero integers in ±[1, 8] of `rank` for the test `salt`.
+/// They and their sums over up to 32 ranks are exactly representable in
+/// bf16 (and f16, f32), so a reduction gives the same bits in any order.
+pub fn small_ints(seed: u64, rank: usize, salt: u64, n: usize) -> Vec<i32> {
+    let mut rng = Rng::new(seed, rank, salt);
+    (0..n)
+        .map(|_| {
+            let r = rng.next_u64();
+            let mag = 1 + (r >> 33) as i32 % 8;
+            if r & 1 == 0 { mag } else { -mag }
+        })
+        .collect()
+}
+
+/// The bf16 values of small integers (exact for magnitudes up to 256).
+pub fn ints_to_bf16(v: &[i32]) -> Vec<bf16> {
+    v.iter().map(|&x| bf16::from_f32(x as f32)).collect()
+}
+
 /// The element-wise sum of `inputs`, added in rank order with rounding
 /// after every addition.
 pub fn sum_in_rank_order<T: SuiteElem>(inputs: &[Vec<T>]) -> Vec<T> {
@@ -199,6 +218,18 @@ mod tests {
         let b: Vec<bf16> = random_vec(7, 1, 1, 1000);
         assert!(a.iter().all(|x| x.to_f32() != 0.0 && x.is_finite()));
         assert_ne!(a, b);
+    }
+
+    #[test]
+    fn small_ints_are_exact_in_bf16() {
+        let v = small_ints(3, 1, 2, 10_000);
+        assert!(v.iter().all(|&x| x != 0 && x.abs() <= 8));
+        assert!(v.contains(&8) && v.contains(&-1));
+        // Every sum of 32 of them lies in [-256, 256], all exact in bf16.
+        let sums: Vec<i32> = (-256..=256).collect();
+        for (b, x) in ints_to_bf16(&sums).iter().zip(&sums) {
+            assert_eq!(b.to_f32(), *x as f32);
+        }
     }
 
     #[test]

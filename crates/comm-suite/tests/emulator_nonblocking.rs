@@ -17,6 +17,8 @@ const SAME_IN_EVERY_MODE: &[&str] = &[
     "backend_blocking_enqueue",
     "rel_blocking_stall",
     "rel_blocking_connect_stall",
+    // Draws each backend's enqueue mode from its seed.
+    "fuzz_schedules",
 ];
 
 #[test]

@@ -5,9 +5,12 @@
 
 pub mod api;
 pub mod backend;
+pub mod fuzz;
+pub mod integrity;
 pub mod reliability;
 pub mod safe;
 pub mod scale;
+pub mod turns;
 
 use crate::{Needs, Scenario};
 
@@ -277,6 +280,60 @@ pub fn all() -> Vec<Scenario> {
             &[4, 8],
             EmulatorFaults,
             scale::stall_and_reconnect,
+        ),
+        s(
+            "int_fast_path_streams",
+            "overlapping fast-path all-reduces on three streams and four threads: exact sums",
+            2,
+            Some(2),
+            &[2],
+            Nothing,
+            integrity::fast_path_streams,
+        ),
+        s(
+            "int_mismatch_reported",
+            "an all-reduce failed by mismatched sizes is reported by it, with op and seq",
+            2,
+            Some(2),
+            &[2],
+            EmulatorFaults,
+            integrity::mismatch_reported,
+        ),
+        s(
+            "int_shutdown_after_failure",
+            "shutdown right after a failed fast-path all-reduce returns in time, no crash",
+            2,
+            Some(2),
+            &[2],
+            EmulatorFaults,
+            integrity::shutdown_after_failure,
+        ),
+        s(
+            "int_reconnect_aborts_waiters",
+            "synchronize and recv_command_u32 across attempt_reconnect return an error, not Ok",
+            2,
+            Some(2),
+            &[2],
+            Nothing,
+            integrity::reconnect_aborts_waiters,
+        ),
+        s(
+            "int_shutdown_idle_worker",
+            "shutdown while a thread idles in recv_command_u32 returns promptly, no error",
+            2,
+            Some(2),
+            &[2],
+            Nothing,
+            integrity::shutdown_idle_worker,
+        ),
+        s(
+            "fuzz_schedules",
+            "random seeded programs of every operation, 1-4 threads per rank, shrunk on failure",
+            1,
+            None,
+            &[1, 2, 3],
+            Nothing,
+            fuzz::schedules,
         ),
         s(
             "rel_sigkill_rank",
