@@ -538,6 +538,9 @@ impl Inner {
                     .oldest_pending()
                     .filter(|&(_, s)| s < seq)
                     .unwrap_or((op, seq));
+                // A synchronize's ticket carries the last submission's seq:
+                // name that submission, not the wait.
+                let first_op = self.recorder.op_of(first_seq).unwrap_or(first_op);
                 self.poison(first_op, first_seq, FailureKind::AsyncError(e));
                 return Err(self.own_or_poisoned(op, seq));
             }
