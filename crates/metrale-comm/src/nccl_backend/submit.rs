@@ -68,27 +68,32 @@ impl WatchQueues {
         self.queues.keys().copied().collect()
     }
 
-    /// Up to `n` of the oldest watched submissions on `stream`, oldest
-    /// first.
-    pub(super) fn oldest(&self, stream: usize, n: usize) -> Vec<Watched> {
-        self.queues
-            .get(&stream)
-            .map(|q| q.iter().take(n).cloned().collect())
-            .unwrap_or_default()
+    /// The number of watched submissions on `stream`.
+    pub(super) fn len_of(&self, stream: usize) -> usize {
+        self.queues.get(&stream).map_or(0, VecDeque::len)
     }
 
-    /// Removes the first `n` submissions of `stream` if the first is `seq`
-    /// (nothing else removes from a queue's front meanwhile); drops empty
-    /// queues.
-    pub(super) fn pop_n(&mut self, stream: usize, seq: u64, n: usize) {
-        if let Some(q) = self.queues.get_mut(&stream) {
-            if q.front().is_some_and(|w| w.seq == seq) {
-                q.drain(..n.min(q.len()));
-            }
-            if q.is_empty() {
-                self.queues.remove(&stream);
-            }
+    /// The `i`-th oldest watched submission on `stream`.
+    pub(super) fn get(&self, stream: usize, i: usize) -> Option<Watched> {
+        self.queues.get(&stream).and_then(|q| q.get(i).cloned())
+    }
+
+    /// Removes and returns the `k` oldest submissions of `stream` if the
+    /// oldest is `seq` (nothing else removes from a queue's front); drops
+    /// empty queues.
+    pub(super) fn take_front(&mut self, stream: usize, seq: u64, k: usize) -> Vec<Watched> {
+        let Some(q) = self.queues.get_mut(&stream) else {
+            return Vec::new();
+        };
+        let taken = if q.front().is_some_and(|w| w.seq == seq) {
+            q.drain(..k.min(q.len())).collect()
+        } else {
+            Vec::new()
+        };
+        if q.is_empty() {
+            self.queues.remove(&stream);
         }
+        taken
     }
 
     /// The first submission on `stream` that has a deadline (the front,

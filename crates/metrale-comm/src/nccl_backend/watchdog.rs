@@ -18,10 +18,8 @@ use std::time::Instant;
 use nccl_safe::Event;
 
 use super::Inner;
+use super::submit::Watched;
 use crate::error::FailureKind;
-
-/// How many of a stream's oldest submissions one lock hold copies.
-const BATCH: usize = 64;
 
 pub(super) fn watchdog_loop(inner: Weak<Inner>) {
     loop {
@@ -39,9 +37,9 @@ pub(super) fn watchdog_loop(inner: Weak<Inner>) {
 impl Inner {
     /// One pass of the watchdog: poisons on a missed deadline, a call stuck
     /// inside NCCL or an asynchronous error, and otherwise marks finished
-    /// submissions complete. Per stream it asks only the oldest watched
-    /// event, and the next once that one completed: the cost of a tick does
-    /// not grow with the work in flight.
+    /// submissions complete. Per stream it asks at most about log2 of the
+    /// watched events (a binary search for the last complete one), so the
+    /// cost of a tick barely grows with the work in flight.
     pub(super) fn watchdog_tick(&self) {
         let now = Instant::now();
         let generation = self.generation.load(Ordering::Acquire);
@@ -50,30 +48,58 @@ impl Inner {
         let mut done: Vec<(&'static str, u64, Arc<Event>)> = Vec::new();
         let streams = self.watched.lock().streams();
         for stream in streams {
-            // A batch of the oldest submissions is copied under one lock and
-            // asked in order, without the lock, up to the first incomplete
-            // one; the completed prefix is removed under one lock.
-            loop {
-                let batch = self.watched.lock().oldest(stream, BATCH);
-                let Some(first) = batch.first().map(|w| w.seq) else {
-                    break;
+            // Work on one stream completes in order, so a submission is
+            // complete when a later one on its stream is: find the boundary
+            // between the complete prefix and the rest with a binary search
+            // (one query when everything is done, or when nothing is),
+            // asking the driver with no lock held.
+            let n = self.watched.lock().len_of(stream);
+            let Some(first) = self.watched.lock().get(stream, 0) else {
+                continue;
+            };
+            let query = |i: usize| -> Option<(Watched, nccl_safe::Result<bool>)> {
+                let w = self.watched.lock().get(stream, i)?;
+                let r = if w.generation == generation {
+                    w.event.query()
+                } else {
+                    Ok(true)
                 };
-                let mut completed = 0;
-                let mut stop = false;
-                for w in &batch {
-                    if w.generation != generation {
-                        completed += 1;
-                        continue;
-                    }
-                    // The driver is asked without any lock held.
-                    match w.event.query() {
-                        Ok(true) => {
-                            completed += 1;
-                            done.push((w.op, w.seq, w.event.clone()));
+                Some((w, r))
+            };
+            let complete = match query(n - 1) {
+                Some((_, Ok(true))) => n,
+                _ => {
+                    // [0, lo) complete, [hi, n) not (or failed).
+                    let (mut lo, mut hi) = (0usize, n - 1);
+                    let mut stop: Option<(Watched, nccl_safe::Result<bool>)> = None;
+                    while lo < hi {
+                        let mid = lo + (hi - lo) / 2;
+                        match query(mid) {
+                            Some((_, Ok(true))) => lo = mid + 1,
+                            Some(other) => {
+                                hi = mid;
+                                stop = Some(other);
+                            }
+                            None => break,
                         }
-                        Ok(false) => {
+                    }
+                    // The first incomplete one: its deadline, or its error.
+                    let blocker = if stop.as_ref().is_some_and(|(w, _)| {
+                        self.watched.lock().get(stream, lo).map(|x| x.seq) == Some(w.seq)
+                    }) {
+                        stop
+                    } else {
+                        query(lo)
+                    };
+                    match blocker {
+                        Some((w, Err(e))) => {
+                            if failed.as_ref().is_none_or(|(_, s, _)| w.seq < *s) {
+                                failed = Some((w.op, w.seq, e));
+                            }
+                        }
+                        Some((w, _)) => {
                             let with_deadline = if w.deadline.is_some() {
-                                Some(w.clone())
+                                Some(w)
                             } else {
                                 self.watched.lock().first_with_deadline(stream)
                             };
@@ -83,24 +109,20 @@ impl Inner {
                             {
                                 expired = Some((d.op, d.seq));
                             }
-                            stop = true;
-                            break;
                         }
-                        Err(e) => {
-                            if failed.as_ref().is_none_or(|(_, s, _)| w.seq < *s) {
-                                failed = Some((w.op, w.seq, e));
-                            }
-                            stop = true;
-                            break;
-                        }
+                        None => {}
                     }
+                    lo
                 }
-                if completed > 0 {
-                    self.watched.lock().pop_n(stream, first, completed);
-                }
-                if stop || completed < BATCH {
-                    break;
-                }
+            };
+            if complete > 0 {
+                let taken = self.watched.lock().take_front(stream, first.seq, complete);
+                done.extend(
+                    taken
+                        .into_iter()
+                        .filter(|w| w.generation == generation)
+                        .map(|w| (w.op, w.seq, w.event)),
+                );
             }
         }
         if self.health.is_poisoned() {
