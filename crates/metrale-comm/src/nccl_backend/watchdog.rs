@@ -66,12 +66,15 @@ impl Inner {
                 };
                 Some((w, r))
             };
-            let complete = match query(n - 1) {
+            let front = query(0);
+            let front_done = matches!(front, Some((_, Ok(true))));
+            let complete = match if front_done { query(n - 1) } else { None } {
                 Some((_, Ok(true))) => n,
                 _ => {
                     // [0, lo) complete, [hi, n) not (or failed).
-                    let (mut lo, mut hi) = (0usize, n - 1);
-                    let mut stop: Option<(Watched, nccl_safe::Result<bool>)> = None;
+                    let (mut lo, mut hi) = if front_done { (1, n - 1) } else { (0, 0) };
+                    let mut stop: Option<(Watched, nccl_safe::Result<bool>)> =
+                        if front_done { None } else { front };
                     while lo < hi {
                         let mid = lo + (hi - lo) / 2;
                         match query(mid) {
@@ -92,11 +95,10 @@ impl Inner {
                         query(lo)
                     };
                     match blocker {
-                        Some((w, Err(e))) => {
-                            if failed.as_ref().is_none_or(|(_, s, _)| w.seq < *s) {
-                                failed = Some((w.op, w.seq, e));
-                            }
+                        Some((w, Err(e))) if failed.as_ref().is_none_or(|(_, s, _)| w.seq < *s) => {
+                            failed = Some((w.op, w.seq, e));
                         }
+                        Some((_, Err(_))) => {}
                         Some((w, _)) => {
                             let with_deadline = if w.deadline.is_some() {
                                 Some(w)
