@@ -2,8 +2,9 @@
 //! done right, and a failure stays a failure. Each reproduces one defect of
 //! issue #14 on 2 ranks:
 //! - `int_fast_path_streams`: fast-path all-reduces issued on the backend's
-//!   stream, the comm stream (`all_reduce_async`) and a replayed graph on a
-//!   caller stream, with no synchronize between, and by four threads of a
+//!   stream, a caller stream (`all_reduce_async`) and a replayed graph on a
+//!   caller stream (a captured all-reduce takes NCCL's path and overlaps
+//!   the others), with no synchronize between, and by four threads of a
 //!   rank sharing one backend, all give the exact sum;
 //! - `int_mismatch_reported`: an all-reduce the emulator fails (the ranks
 //!   pass different sizes) is reported by that call or by `synchronize`,
