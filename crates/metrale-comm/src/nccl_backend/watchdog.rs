@@ -169,7 +169,12 @@ impl Inner {
                 .map(|(op, seq, _)| (*op, *seq))
                 .chain(self.oldest_pending())
                 .min_by_key(|&(_, seq)| seq)
-                .unwrap_or(("async error", self.recorder.last_seq()));
+                .unwrap_or_else(|| {
+                    // Nothing watched yet (a submission between its record
+                    // and its watch): the last recorded one.
+                    let seq = self.recorder.last_seq();
+                    (self.recorder.op_of(seq).unwrap_or("async error"), seq)
+                });
             self.poison(op, seq, FailureKind::AsyncError(e));
             return;
         }

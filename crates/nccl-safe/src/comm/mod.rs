@@ -383,15 +383,61 @@ impl Comm {
                 e => Err(e),
             };
         }
-        let mut st = self.state.lock();
-        if st.status != Status::Live {
+        {
+            let mut st = self.state.lock();
+            if st.status != Status::Live {
+                return Ok(());
+            }
+            // From here no abort touches it: it is this function's to destroy.
+            st.status = Status::Destroyed;
+        }
+        // NCCL's teardown waits for the GPUs that map the communicator's
+        // buffers, with no deadline of its own: destroy on a helper thread and
+        // wait for it at most DROP_DEADLINE. Past that the thread is left to
+        // finish on its own (the handle is never used again) and the caller
+        // gets a timeout instead of a wait without end.
+        struct Raw(ncclComm_t);
+        // SAFETY: the handle goes to the one thread that destroys it; nothing
+        // else uses it after the status became Destroyed.
+        unsafe impl Send for Raw {}
+        let raw = Raw(self.raw);
+        let ctx = Arc::clone(&self.ctx);
+        let (tx, rx) = mpsc::channel();
+        let spawned = std::thread::Builder::new()
+            .name("nccl-destroy".into())
+            .spawn(move || {
+                let raw = raw;
+                if let Err(e) = ctx.make_current() {
+                    tracing::warn!(error = %e, "making the context current before destroy failed");
+                }
+                let destroy = || -> Result<()> {
+                    // SAFETY: live and finalized, and only this thread uses it
+                    // (the status is Destroyed); destroyed once, here.
+                    let rc = unsafe { nccl_raw!(ncclCommDestroy(raw.0)) };
+                    nccl_check(rc, "ncclCommDestroy", std::ptr::null_mut())
+                };
+                let _ = tx.send(destroy());
+            });
+        if let Err(e) = spawned {
+            tracing::error!(
+                error = %e,
+                "no thread to destroy the communicator on; leaving it allocated"
+            );
             return Ok(());
         }
-        st.status = Status::Destroyed;
-        // SAFETY: live until the line above, under the lock, so no abort can
-        // run on it; destroyed once, here.
-        let rc = unsafe { nccl_raw!(ncclCommDestroy(self.raw)) };
-        nccl_check(rc, "ncclCommDestroy", std::ptr::null_mut())
+        match rx.recv_timeout(DROP_DEADLINE) {
+            Ok(r) => r,
+            Err(_) => {
+                tracing::error!(
+                    "ncclCommDestroy did not return within {DROP_DEADLINE:?} (a peer's GPU \
+                     still runs work that maps this communicator); it finishes in the background"
+                );
+                Err(Error::Timeout {
+                    what: "ncclCommDestroy",
+                    after: DROP_DEADLINE,
+                })
+            }
+        }
     }
 }
 
