@@ -467,9 +467,12 @@ pub fn mismatch_reported(ctx: &RankCtx) -> anyhow::Result<()> {
         }
         Err(e) => {
             match e {
-                CommError::Failed(f) if f.op == "all_reduce" && f.seq == seq => {}
+                // The all-reduce's own failure, or (when the watchdog saw
+                // it first) the refusal of the wait that carries it.
+                CommError::Failed(f) | CommError::Poisoned { cause: f, .. }
+                    if f.op == "all_reduce" && f.seq == seq => {}
                 other => symptoms.push(format!(
-                    "expected Failed naming all_reduce seq {seq}, got {}: {other}",
+                    "expected Failed (or Poisoned by) all_reduce seq {seq}, got {}: {other}",
                     variant(other)
                 )),
             }
