@@ -287,37 +287,79 @@ pub struct PathRow {
     pub auto: Sample,
     /// Which path the automatic choice took.
     pub auto_path: &'static str,
+    /// The one-shot path over peer memory (`OneShotPolicy::Always`), when
+    /// its set-up proved peer access.
+    pub one_shot: Option<Sample>,
 }
 
 /// The all-reduce path table.
 pub fn paths_table(rows: &[PathRow], ranks: usize) -> String {
     let mut s = String::new();
     s.push_str(
-        "| mode | bytes | NCCL µs | fast path µs | auto µs | auto took | fast/NCCL speedup | auto vs best | auto busbw GB/s | noise % |\n",
+        "| mode | bytes | NCCL µs | fast path µs | one-shot µs | auto µs | auto took | fast/NCCL speedup | one-shot/NCCL speedup | auto vs best | auto busbw GB/s | noise % |\n",
     );
-    s.push_str("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|\n");
+    s.push_str("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|\n");
     for r in rows {
         let p = &r.point;
-        let best = p.nccl.median().min(p.fast.median());
+        let one = r.one_shot.as_ref().map(Sample::median);
+        let best = p
+            .nccl
+            .median()
+            .min(p.fast.median())
+            .min(one.unwrap_or(f64::INFINITY));
         let auto = r.auto.median();
-        let noise = 100.0 * p.nccl.noise().max(p.fast.noise()).max(r.auto.noise());
+        let noise = 100.0
+            * p.nccl
+                .noise()
+                .max(p.fast.noise())
+                .max(r.auto.noise())
+                .max(r.one_shot.as_ref().map_or(0.0, Sample::noise));
+        let one_point = r.one_shot.clone().map(|fast| PathPoint {
+            bytes: p.bytes,
+            nccl: p.nccl.clone(),
+            fast,
+        });
         let _ = writeln!(
             s,
-            "| {} | {} | {:.2} | {:.2} | {:.2} | {} | {:.3}{} | {:+.1}% | {:.2} | {:.1} |",
+            "| {} | {} | {:.2} | {:.2} | {} | {:.2} | {} | {:.3}{} | {} | {:+.1}% | {:.2} | {:.1} |",
             r.mode,
             human_bytes(p.bytes),
             p.nccl.median(),
             p.fast.median(),
+            one.map_or("-".to_owned(), |t| format!("{t:.2}")),
             auto,
             r.auto_path,
             p.speedup(),
             if p.fast_wins() { " (wins)" } else { "" },
+            one_point.map_or("-".to_owned(), |o| format!(
+                "{:.3}{}",
+                o.speedup(),
+                if o.fast_wins() { " (wins)" } else { "" }
+            )),
             100.0 * (auto / best - 1.0),
             busbw_gbs(Collective::AllReduce, ranks, p.bytes, auto),
             noise
         );
     }
     s
+}
+
+/// The `--crossover` summary of the one-shot path for one mode: `points`
+/// hold the one-shot times in `fast`. Its recommendation is a
+/// `METRALE_COMM_ONE_SHOT` value.
+pub fn one_shot_crossover_summary(mode: &str, points: &[PathPoint]) -> String {
+    let c = Crossover::from_points(points);
+    let sizes: Vec<String> = c.winning_sizes.iter().map(|b| human_bytes(*b)).collect();
+    format!(
+        "- {mode}: the one-shot path beats NCCL beyond the noise at {}\n  recommended: \
+         `METRALE_COMM_ONE_SHOT={}`\n",
+        if sizes.is_empty() {
+            "no size".to_owned()
+        } else {
+            sizes.join(", ")
+        },
+        c.policy_string()
+    )
 }
 
 /// The `--crossover` summary for one mode.
@@ -465,10 +507,21 @@ mod tests {
             point: point(1 << 20, 20.0, 16.0),
             auto: sample(&[16.0]),
             auto_path: "fast path",
+            one_shot: None,
         }];
         let t = paths_table(&prow, 2);
         assert!(t.contains("1.250 (wins)"), "{t}");
         assert!(t.contains("+0.0%"), "{t}");
+        let prow = vec![PathRow {
+            one_shot: Some(sample(&[8.0])),
+            auto: sample(&[8.0]),
+            auto_path: "one-shot",
+            ..prow[0].clone()
+        }];
+        let t = paths_table(&prow, 2);
+        assert!(t.contains("| 8.00 |") && t.contains("2.500 (wins)"), "{t}");
+        let s = one_shot_crossover_summary("graph", &[point(8 << 10, 10.0, 4.0)]);
+        assert!(s.contains("METRALE_COMM_ONE_SHOT=8K-8K"), "{s}");
         let s = crossover_summary("graph", &[prow[0].point.clone()]);
         assert!(s.contains("METRALE_COMM_FAST_PATH=1M-1M"), "{s}");
     }

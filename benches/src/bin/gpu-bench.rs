@@ -1,6 +1,7 @@
 //! `gpu-bench`: every `CommBackend` collective on 2 GPUs, side by side with
 //! the same operation issued straight through nccl-safe in the same run, and
-//! the 2-rank all-reduce paths (NCCL, send/recv + add, automatic choice).
+//! the 2-rank all-reduce paths (NCCL, send/recv + add, the one-shot path
+//! over peer memory, automatic choice).
 //!
 //! Two ranks are two threads of this process, each with its own CUDA
 //! context. Per rank: one raw `Comm` and three `NcclBackend`s (fast-path
@@ -32,12 +33,13 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use half::bf16;
 use metrale_benches::{
-    Collective, OpRow, PathPoint, PathRow, Sample, crossover_summary, human_bytes, ops_table,
-    paths_table, size_series,
+    Collective, OpRow, PathPoint, PathRow, Sample, crossover_summary, human_bytes,
+    one_shot_crossover_summary, ops_table, paths_table, size_series,
 };
 use metrale_comm::rendezvous::FileRendezvous;
 use metrale_comm::{
     AllReducePath, BackendConfig, CommBackend, EnqueueMode, FastPathPolicy, NcclBackend,
+    OneShotPolicy,
 };
 use nccl_safe::{
     Comm, Context, DataType, DeviceBuffer, DeviceView, DeviceViewMut, Event, Group, ReduceOp,
@@ -345,6 +347,20 @@ impl Report {
                 if !pts.is_empty() {
                     s.push_str(&crossover_summary(mode, &pts));
                 }
+                let one: Vec<PathPoint> = self
+                    .paths
+                    .iter()
+                    .filter(|r| r.mode == mode)
+                    .filter_map(|r| {
+                        r.one_shot.clone().map(|fast| PathPoint {
+                            fast,
+                            ..r.point.clone()
+                        })
+                    })
+                    .collect();
+                if !one.is_empty() {
+                    s.push_str(&one_shot_crossover_summary(mode, &one));
+                }
             }
             s.push_str(
                 "\nThe default policy follows the graph-replay crossover (decode steps run under \
@@ -362,6 +378,7 @@ struct Rank {
     raw: Comm,
     never: NcclBackend,
     always: NcclBackend,
+    oneshot: NcclBackend,
     auto: NcclBackend,
     /// The stream raw NCCL and the caller-stream backend ops run on.
     stream: Stream,
@@ -378,12 +395,13 @@ fn backend(
     rank: usize,
     dir: &std::path::Path,
     name: &str,
-    policy: FastPathPolicy,
+    (policy, one_shot): (FastPathPolicy, OneShotPolicy),
     enqueue: EnqueueMode,
 ) -> anyhow::Result<NcclBackend> {
     let rv = FileRendezvous::new(rank, 2, dir.join(name))?;
     let config = BackendConfig::new(rank)
         .with_fast_path(policy)
+        .with_one_shot(one_shot)
         .with_enqueue(enqueue)
         .with_init_timeout(WAIT);
     NcclBackend::new(config, Box::new(rv)).with_context(|| format!("backend {name}"))
@@ -417,9 +435,41 @@ fn rank_main(
     // once its work is on the stream (the backend's non-blocking one may have
     // to wait for NCCL's background enqueue, which is part of its overhead).
     let raw = Comm::init_rank(&ctx, &uid, 2, rank).context("raw communicator")?;
-    let never = backend(rank, dir, "never", FastPathPolicy::Never, opts.enqueue)?;
-    let always = backend(rank, dir, "always", FastPathPolicy::Always, opts.enqueue)?;
-    let auto = backend(rank, dir, "auto", FastPathPolicy::DEFAULT, opts.enqueue)?;
+    // `never` is the NCCL path and `always` the fast path (both with the
+    // one-shot path off), `oneshot` the one-shot path at every size, `auto`
+    // every default.
+    let off = OneShotPolicy::Never;
+    let never = backend(
+        rank,
+        dir,
+        "never",
+        (FastPathPolicy::Never, off),
+        opts.enqueue,
+    )?;
+    let always = backend(
+        rank,
+        dir,
+        "always",
+        (FastPathPolicy::Always, off),
+        opts.enqueue,
+    )?;
+    let oneshot = backend(
+        rank,
+        dir,
+        "oneshot",
+        (FastPathPolicy::Never, OneShotPolicy::Always),
+        opts.enqueue,
+    )?;
+    if let Some(why) = oneshot.one_shot_unavailable() {
+        eprintln!("gpu-bench: rank {rank}: the one-shot path is off, not measured: {why}");
+    }
+    let auto = backend(
+        rank,
+        dir,
+        "auto",
+        (FastPathPolicy::DEFAULT, OneShotPolicy::DEFAULT),
+        opts.enqueue,
+    )?;
     let max = opts.max;
     let elems = max.div_ceil(2);
     let mut r = Rank {
@@ -435,6 +485,7 @@ fn rank_main(
         raw,
         never,
         always,
+        oneshot,
         auto,
     };
     r.g.copy_from_host(&r.host)?;
@@ -512,8 +563,21 @@ fn rank_main(
                     bytes,
                     Impl::Backend(Collective::AllReduce, Which::Auto),
                 )?;
+                let one_shot = if r.oneshot.one_shot_unavailable().is_none() {
+                    Some(measure(
+                        &mut r,
+                        opts,
+                        meet,
+                        mode,
+                        bytes,
+                        Impl::Backend(Collective::AllReduce, Which::OneShot),
+                    )?)
+                } else {
+                    None
+                };
                 let auto_path = match r.auto.all_reduce_path(bytes) {
                     AllReducePath::FastPath => "fast path",
+                    AllReducePath::OneShot => "one-shot",
                     _ => "NCCL",
                 };
                 report.paths.push(PathRow {
@@ -521,6 +585,7 @@ fn rank_main(
                     point: PathPoint { bytes, nccl, fast },
                     auto,
                     auto_path,
+                    one_shot,
                 });
             }
             if rank == 0 {
@@ -528,7 +593,7 @@ fn rank_main(
             }
         }
     }
-    for b in [&r.never, &r.always, &r.auto] {
+    for b in [&r.never, &r.always, &r.oneshot, &r.auto] {
         if let Err(e) = b.shutdown() {
             tracing::warn!(rank, "backend shutdown: {e}");
         }
@@ -555,6 +620,7 @@ impl Mode {
 enum Which {
     Never,
     Always,
+    OneShot,
     Auto,
 }
 
@@ -569,6 +635,7 @@ impl Rank {
         match w {
             Which::Never => &self.never,
             Which::Always => &self.always,
+            Which::OneShot => &self.oneshot,
             Which::Auto => &self.auto,
         }
     }
@@ -904,8 +971,14 @@ fn verify_all_reduce(r: &mut Rank, opts: &Opts, meet: &Meet) -> anyhow::Result<V
             Impl::Raw(Collective::AllReduce),
             Impl::Backend(Collective::AllReduce, Which::Never),
             Impl::Backend(Collective::AllReduce, Which::Always),
+            Impl::Backend(Collective::AllReduce, Which::OneShot),
             Impl::Backend(Collective::AllReduce, Which::Auto),
         ] {
+            if matches!(imp, Impl::Backend(_, Which::OneShot))
+                && r.oneshot.one_shot_unavailable().is_some()
+            {
+                continue;
+            }
             // In place: the input is this rank's data, and every peer value
             // is non-zero, so an element the operation did not write fails.
             // The whole buffer: the check below reads past the payload.
