@@ -7,9 +7,10 @@
 //! and the path's choice and its reasons when off.
 //!
 //! Invariants: every output element is checked against the path's host
-//! reference (`metrale_comm::kernels::one_shot_sum`: f32 sum in rank order,
-//! rounded once), and every rank's output is bit-identical to rank 0's
-//! (hash through the store). On GPUs where the path is off (no peer access)
+//! reference (`data::one_shot_reference`, the arithmetic of
+//! `metrale_comm::kernels::one_shot_sum`: f32 sum in rank order, rounded
+//! once), on rank 0 and, up to 64 Ki elements, on every rank; and every
+//! rank's output is bit-identical to rank 0's (hash through the store). On GPUs where the path is off (no peer access)
 //! the scenarios skip with the backend's reason. On the emulator they end
 //! with no CUDA IPC mapping open and no free of memory still mapped.
 
