@@ -138,21 +138,27 @@ pub(super) struct OneShot {
 
 impl OneShot {
     pub(super) fn new(ctx: &Arc<Context>) -> nccl_safe::Result<OneShot> {
-        let kernel = Module::load_ptx(ctx, kernels::BF16_ONE_SHOT_PTX)
-            .and_then(|m| m.function(kernels::BF16_ONE_SHOT_NAME));
-        let (kernel, off) = match kernel {
-            Ok(f) => (Some(f), "not set up".to_string()),
-            Err(e) => (None, format!("the one-shot kernel does not load: {e}")),
-        };
         Ok(OneShot {
-            kernel,
+            kernel: None,
             live: None,
             on: false,
-            off,
+            off: "not set up".to_string(),
             exchanged: None,
             eager_done: Event::new(ctx, false)?,
             eager_stream: None,
         })
+    }
+
+    /// The kernel, loaded on first use (backends whose policy or world
+    /// size rules the path out never JIT-compile it).
+    fn kernel(&mut self, ctx: &Arc<Context>) -> nccl_safe::Result<&Function> {
+        if self.kernel.is_none() {
+            let module = Module::load_ptx(ctx, kernels::BF16_ONE_SHOT_PTX)?;
+            self.kernel = Some(module.function(kernels::BF16_ONE_SHOT_NAME)?);
+        }
+        self.kernel
+            .as_ref()
+            .ok_or_else(|| nccl_safe::Error::invalid("one-shot kernel", "not loaded"))
     }
 
     /// Whether the path is on (set up and proven on every rank).

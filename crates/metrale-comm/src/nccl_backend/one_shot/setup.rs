@@ -241,11 +241,11 @@ impl Inner {
     /// take part.
     fn one_shot_prepare(
         &self,
-        slot: &Slot,
+        slot: &mut Slot,
         slot_bytes: usize,
     ) -> std::result::Result<(Live, Record), String> {
-        if slot.one_shot.kernel.is_none() {
-            return Err(slot.one_shot.off.clone());
+        if let Err(e) = slot.one_shot.kernel(&self.ctx) {
+            return Err(format!("the one-shot kernel does not load: {e}"));
         }
         let dev = self.config.device;
         match nccl_safe::unified_addressing(dev) {
