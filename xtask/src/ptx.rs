@@ -47,10 +47,16 @@ const WHEELS: &[(&str, &str)] = &[
 ];
 
 /// The kernels: source and committed PTX, relative to the workspace root.
-const KERNELS: &[(&str, &str)] = &[(
-    "crates/metrale-comm/kernels/bf16_add.cu",
-    "crates/metrale-comm/kernels/bf16_add.ptx",
-)];
+const KERNELS: &[(&str, &str)] = &[
+    (
+        "crates/metrale-comm/kernels/bf16_add.cu",
+        "crates/metrale-comm/kernels/bf16_add.ptx",
+    ),
+    (
+        "crates/metrale-comm/kernels/bf16_one_shot.cu",
+        "crates/metrale-comm/kernels/bf16_one_shot.ptx",
+    ),
+];
 
 /// Runs the subcommand.
 pub fn run(args: &[String]) -> Result<i32> {

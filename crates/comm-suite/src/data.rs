@@ -5,7 +5,9 @@
 //!
 //! Invariants: generated values are never zero and never the poison
 //! pattern; bf16 sums are rounded after every addition, in rank order
-//! (exactly what NCCL does for 2 ranks); a check looks at every element.
+//! (exactly what NCCL does for 2 ranks), except the one-shot path's
+//! reference ([`one_shot_reference`]: f32 in rank order, rounded once); a
+//! check looks at every element.
 
 use half::bf16;
 use nccl_safe::Element;
@@ -46,6 +48,10 @@ pub trait SuiteElem: Element + std::fmt::Debug {
     fn bits(self) -> u64;
     /// One unit in the last place at magnitude `x`.
     fn ulp(x: f64) -> f64;
+    /// The one-shot all-reduce's result, for the type it serves (bf16).
+    fn one_shot_sum(_inputs: &[Vec<Self>]) -> Option<Vec<Self>> {
+        None
+    }
 }
 
 fn random_f32(rng: &mut Rng) -> f32 {
@@ -69,6 +75,9 @@ impl SuiteElem for bf16 {
     }
     fn ulp(x: f64) -> f64 {
         x.abs().max(1e-3) * 2f64.powi(-7)
+    }
+    fn one_shot_sum(inputs: &[Vec<Self>]) -> Option<Vec<Self>> {
+        Some(one_shot_reference(inputs.len(), |k| inputs[k].clone()))
     }
 }
 
@@ -143,6 +152,46 @@ pub fn sum_in_rank_order<T: SuiteElem>(inputs: &[Vec<T>]) -> Vec<T> {
         }
     }
     acc
+}
+
+/// The host reference of a sum all-reduce of `inputs` (rank order) on `b`
+/// in ordinary device memory: the one-shot path's arithmetic where `b`
+/// takes that path for this size, else NCCL's ([`sum_in_rank_order`]).
+pub fn all_reduce_reference<T: SuiteElem>(
+    b: &metrale_comm::NcclBackend,
+    inputs: &[Vec<T>],
+) -> Vec<T> {
+    let bytes = inputs.first().map_or(0, |v| v.len() * T::DATA_TYPE.size());
+    if T::DATA_TYPE == nccl_safe::DataType::Bfloat16
+        && b.all_reduce_path(bytes) == metrale_comm::AllReducePath::OneShot
+        && let Some(sum) = T::one_shot_sum(inputs)
+    {
+        return sum;
+    }
+    sum_in_rank_order(inputs)
+}
+
+/// The one-shot all-reduce's result for `world` ranks whose inputs
+/// `input(rank)` gives (`metrale_comm::kernels::one_shot_sum`'s arithmetic:
+/// the f32 sum in rank order rounded once, a (+0.0, -0.0) pair at an even
+/// index read as (+0.0, +0.0)), one rank's input in memory at a time.
+pub fn one_shot_reference(world: usize, input: impl Fn(usize) -> Vec<bf16>) -> Vec<bf16> {
+    let canon = |v: &[bf16]| -> Vec<f32> {
+        let mut out: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
+        for (pair, o) in v.chunks(2).zip(out.chunks_mut(2)) {
+            if pair.len() == 2 && pair[0].to_bits() == 0 && pair[1].to_bits() == 0x8000 {
+                o[1] = 0.0;
+            }
+        }
+        out
+    };
+    let mut acc = canon(&input(0));
+    for k in 1..world {
+        for (a, x) in acc.iter_mut().zip(canon(&input(k))) {
+            *a += x;
+        }
+    }
+    acc.into_iter().map(bf16::from_f32).collect()
 }
 
 /// Checks every element of `got` against `want`: bit-exact when `exact`,
@@ -230,6 +279,22 @@ mod tests {
         for (b, x) in ints_to_bf16(&sums).iter().zip(&sums) {
             assert_eq!(b.to_f32(), *x as f32);
         }
+    }
+
+    #[test]
+    fn one_shot_reference_matches_the_library() {
+        let mut inputs: Vec<Vec<bf16>> = (0..5).map(|k| random_vec(3, k, 9, 257)).collect();
+        for v in &mut inputs {
+            v[4] = bf16::from_bits(0);
+            v[5] = bf16::from_bits(0x8000);
+            v[9] = bf16::from_bits(0x8000);
+        }
+        let lib = metrale_comm::kernels::one_shot_sum(&inputs).unwrap();
+        let ours = one_shot_reference(5, |k| inputs[k].clone());
+        assert_eq!(
+            lib.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            ours.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
     }
 
     #[test]

@@ -45,6 +45,8 @@ pub struct EmuControl {
     inject: InjectFn,
     reset: ResetFn,
     calls: CallsFn,
+    ipc_open: CallsFn,
+    ipc_violations: CallsFn,
     _lib: libloading::Library,
 }
 
@@ -112,7 +114,7 @@ impl EmuControl {
         // (docs/architecture.md, "Emulator control"); the function pointers
         // stay valid because the library is kept in the returned value and
         // that value lives in a static.
-        let (inject, reset, calls) = unsafe {
+        let (inject, reset, calls, ipc_open, ipc_violations) = unsafe {
             let inject: InjectFn = *lib
                 .get::<InjectFn>(b"metrale_emu_inject\0")
                 .map_err(|e| format!("metrale_emu_inject: {e}"))?;
@@ -122,13 +124,21 @@ impl EmuControl {
             let calls: CallsFn = *lib
                 .get::<CallsFn>(b"metrale_emu_nccl_calls\0")
                 .map_err(|e| format!("metrale_emu_nccl_calls: {e}"))?;
-            (inject, reset, calls)
+            let ipc_open: CallsFn = *lib
+                .get::<CallsFn>(b"metrale_emu_ipc_open_mappings\0")
+                .map_err(|e| format!("metrale_emu_ipc_open_mappings: {e}"))?;
+            let ipc_violations: CallsFn = *lib
+                .get::<CallsFn>(b"metrale_emu_ipc_violations\0")
+                .map_err(|e| format!("metrale_emu_ipc_violations: {e}"))?;
+            (inject, reset, calls, ipc_open, ipc_violations)
         };
         Ok(EmuControl {
             path: path.to_path_buf(),
             inject,
             reset,
             calls,
+            ipc_open,
+            ipc_violations,
             _lib: lib,
         })
     }
@@ -160,5 +170,19 @@ impl EmuControl {
     pub fn nccl_calls(&self) -> u64 {
         // SAFETY: the function takes no arguments.
         unsafe { (self.calls)() }
+    }
+
+    /// CUDA IPC mappings open now, in the whole process.
+    pub fn ipc_open_mappings(&self) -> u64 {
+        // SAFETY: the function takes no arguments.
+        unsafe { (self.ipc_open)() }
+    }
+
+    /// Frees of device memory that another context still had open through
+    /// CUDA IPC, since the process started (the driver calls them
+    /// undefined).
+    pub fn ipc_violations(&self) -> u64 {
+        // SAFETY: the function takes no arguments.
+        unsafe { (self.ipc_violations)() }
     }
 }

@@ -35,6 +35,8 @@
 //! - The generated methods of [`CudaLib`] (`lib.cuInit(..)`) panic on a
 //!   missing symbol: call through [`call!`] instead.
 //! - The opened library stays loaded for the life of the process.
+//! - The IPC memory calls, which the generated list does not cover, are
+//!   declared by hand in [`ipc`] and resolved from the same library.
 
 mod generated {
     #![allow(
@@ -51,6 +53,7 @@ mod generated {
 pub use generated::*;
 
 pub mod dynload;
+pub mod ipc;
 
 pub use dynload::LoadError;
 

@@ -1,12 +1,14 @@
 //! A compile-time check that every exported C function has exactly the
 //! signature the bindings expect: each one is coerced to the type of the
-//! matching field of `CudaLib` / `NcclLib`. Never run; it only has to compile.
+//! matching field of `CudaLib` / `NcclLib` (and the hand-declared
+//! `cuda_sys::ipc::IpcLib`). Never run; it only has to compile.
 //!
 //! Invariant: the lists cover every field of both tables.
 
 #![allow(dead_code)]
 
 use crate::driver::*;
+use crate::ipc::*;
 use crate::kernels::*;
 use crate::memory::*;
 use crate::nccl::errors::*;
@@ -125,4 +127,10 @@ fn nccl(lib: &nccl_sys::NcclLib) {
     same(&lib.ncclReduceScatter, ncclReduceScatter);
     same(&lib.ncclScatter, ncclScatter);
     same(&lib.ncclSend, ncclSend);
+}
+
+fn ipc(lib: &cuda_sys::ipc::IpcLib) {
+    same(&lib.cuIpcCloseMemHandle, cuIpcCloseMemHandle);
+    same(&lib.cuIpcGetMemHandle, cuIpcGetMemHandle);
+    same(&lib.cuIpcOpenMemHandle_v2, cuIpcOpenMemHandle_v2);
 }

@@ -1,5 +1,6 @@
 //! Modules and kernels: PTX `.entry` names are parsed, and the project's
-//! kernels that the emulator knows run as host code on the stream.
+//! kernels that the emulator knows run as host code on the stream
+//! (`bf16_add_inplace` here, `bf16_one_shot_all_reduce` in `one_shot`).
 //!
 //! Invariants:
 //! - A function handle exists only for an entry that is in its module's PTX
@@ -26,12 +27,16 @@ use crate::{Table, driver, guard, id_to_ptr, ptr_to_id, put};
 enum Kernel {
     /// `bf16_add_inplace(bf16* dst, const bf16* src, u64 n)`.
     Bf16AddInplace,
+    /// `bf16_one_shot_all_reduce(OsCtrl* ctrl, bf16* data, u64 n, u32
+    /// lane)`, run by `one_shot`.
+    Bf16OneShotAllReduce,
 }
 
 impl Kernel {
     fn by_name(name: &str) -> Option<Self> {
         match name {
             "bf16_add_inplace" => Some(Kernel::Bf16AddInplace),
+            crate::one_shot::NAME => Some(Kernel::Bf16OneShotAllReduce),
             _ => None,
         }
     }
@@ -230,6 +235,24 @@ pub unsafe extern "C" fn cuLaunchKernel(
                             }
                         })
                     });
+                    stream::submit(&target, l)
+                }
+                Kernel::Bf16OneShotAllReduce => {
+                    // SAFETY: `params` holds pointers to the four arguments
+                    // (this function's contract).
+                    let (ctrl, data, n, lane) = unsafe {
+                        let p: [*mut c_void; 4] = std::array::from_fn(|i| *params.add(i));
+                        if p.iter().any(|a| a.is_null()) {
+                            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+                        }
+                        (
+                            p[0].cast::<u64>().read_unaligned(),
+                            p[1].cast::<u64>().read_unaligned(),
+                            p[2].cast::<u64>().read_unaligned(),
+                            p[3].cast::<u32>().read_unaligned(),
+                        )
+                    };
+                    let l = crate::one_shot::launcher(ctrl, data, n, lane, dev)?;
                     stream::submit(&target, l)
                 }
             }

@@ -34,8 +34,15 @@
 //!   running it; a graph launch enqueues a fresh execution of the recorded
 //!   work (a captured collective is a new collective on every replay).
 //! - **Kernels**: `cuModuleLoadData` reads the `.entry` names of PTX text;
-//!   the project's kernel `bf16_add_inplace` runs on the host with the GPU's
-//!   arithmetic (`bf16(f32(dst) + f32(src))`, round to nearest even).
+//!   the project's kernels run on the host with the GPU's arithmetic:
+//!   `bf16_add_inplace` (`bf16(f32(dst) + f32(src))`, round to nearest
+//!   even) and `bf16_one_shot_all_reduce` (its push, flag-free wait, rank
+//!   order f32 sum, clear and bounded spin over peer memory; `one_shot`).
+//! - **IPC**: `cuIpcGetMemHandle`, `cuIpcOpenMemHandle_v2` and
+//!   `cuIpcCloseMemHandle` within this process (a mapping is the exporter's
+//!   own address); opens are counted, a stale or foreign handle is refused,
+//!   and a free of memory still mapped elsewhere is counted as a violation
+//!   (`ipc`).
 //! - **NCCL 2.28.3**: blocking and non-blocking init, split, groups, every
 //!   collective and send/recv, all data types but fp8, every built-in
 //!   reduction (16-bit floats are added in `f32` and rounded after each add,
@@ -109,7 +116,9 @@
 //! counts from 1, from when the fault is added: the rank's collectives and
 //! send/recv on any communicator, at launch, and for a stall the rank's
 //! enqueue calls on blocking communicators; each fault fires once), `metrale_emu_reset()` (clears every fault) and
-//! `metrale_emu_nccl_calls() -> unsigned long long` (NCCL API calls so far).
+//! `metrale_emu_nccl_calls() -> unsigned long long` (NCCL API calls so far),
+//! `metrale_emu_ipc_open_mappings()` and `metrale_emu_ipc_violations()`
+//! (IPC mappings open now; frees of memory still mapped, since start).
 //! `METRALE_EMU_FAULTS="RANK:KIND@N;..."` (KIND one of `hang`, `async`,
 //! `initfail`, `nojoin`, `die`, `stall`) is read on first use.
 //!
@@ -130,9 +139,11 @@ mod abi;
 mod driver;
 mod errors;
 mod fault;
+mod ipc;
 mod kernels;
 mod memory;
 mod nccl;
+mod one_shot;
 mod stream;
 
 use std::collections::BTreeMap;

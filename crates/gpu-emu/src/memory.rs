@@ -182,6 +182,9 @@ pub(crate) fn free(ptr: u64, device: bool) -> Result<(), CUresult> {
     {
         *u = u.saturating_sub(a.len);
     }
+    if a.device.is_some() {
+        crate::ipc::freed(ptr);
+    }
     let layout = Layout::from_size_align(a.len, ALIGN).map_err(|_| CUresult::CUDA_ERROR_UNKNOWN)?;
     // SAFETY: `ptr` was allocated by `alloc` with this layout and has just
     // been removed from the registry, so it is freed exactly once; the write

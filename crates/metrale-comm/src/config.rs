@@ -1,4 +1,5 @@
-//! Backend configuration: device, deadlines, fast-path policy, scratch size,
+//! Backend configuration: device, deadlines, fast-path and one-shot
+//! policies, scratch size,
 //! diagnostics; with the `METRALE_COMM_*` environment overrides documented in
 //! `docs/operations.md`.
 //!
@@ -135,6 +136,101 @@ impl FastPathPolicy {
     }
 }
 
+/// When an all-reduce takes the one-shot path over peer memory (every rank
+/// pushes its input into every peer's buffer and sums all of them itself;
+/// `nccl_backend/one_shot.rs`): bf16 only, 2 to 8 ranks of one node, and
+/// only once peer access was proven at construction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OneShotPolicy {
+    /// Never: no peer buffers are set up.
+    Never,
+    /// At every size (in chunks of the slot size above it).
+    Always,
+    /// For payloads in `min_bytes..=max_bytes`.
+    Range {
+        /// Smallest payload taking the one-shot path.
+        min_bytes: usize,
+        /// Largest payload taking the one-shot path.
+        max_bytes: usize,
+    },
+}
+
+impl OneShotPolicy {
+    /// The default, up to 1 MiB: the tensor-parallel sizes (8 KiB - 1 MiB)
+    /// where a one-shot over NVLink is expected to beat NCCL's all-reduce,
+    /// whose eager cost there is mostly fixed. Not yet measured on GPUs
+    /// (docs/benchmarks.md, "One-shot all-reduce" says how to re-derive it).
+    pub const DEFAULT: OneShotPolicy = OneShotPolicy::Range {
+        min_bytes: 0,
+        max_bytes: 1 << 20,
+    };
+
+    /// Whether a payload of `bytes` takes the one-shot path.
+    pub fn takes(self, bytes: usize) -> bool {
+        match self {
+            OneShotPolicy::Never => false,
+            OneShotPolicy::Always => true,
+            OneShotPolicy::Range {
+                min_bytes,
+                max_bytes,
+            } => (min_bytes..=max_bytes).contains(&bytes),
+        }
+    }
+
+    /// The largest payload this policy sends down the one-shot path
+    /// (`None` for [`OneShotPolicy::Never`]); the backend sizes its peer
+    /// buffers from it.
+    pub fn max_bytes(self) -> Option<usize> {
+        match self {
+            OneShotPolicy::Never => None,
+            OneShotPolicy::Always => Some(usize::MAX),
+            OneShotPolicy::Range { max_bytes, .. } => Some(max_bytes),
+        }
+    }
+
+    /// Parses `never`, `always`, `auto` (the default) or `MIN-MAX` in bytes
+    /// (suffixes `K`, `M`, `G`), as `METRALE_COMM_ONE_SHOT` takes them.
+    pub fn parse(s: &str) -> Result<Self, CommError> {
+        let s = s.trim();
+        match s.to_ascii_lowercase().as_str() {
+            "never" | "off" | "0" => return Ok(OneShotPolicy::Never),
+            "always" => return Ok(OneShotPolicy::Always),
+            "auto" | "default" => return Ok(OneShotPolicy::DEFAULT),
+            _ => {}
+        }
+        let (lo, hi) = s.split_once('-').ok_or_else(|| {
+            CommError::Config(format!(
+                "one-shot policy `{s}`: expected never, always, auto or MIN-MAX"
+            ))
+        })?;
+        let p = OneShotPolicy::Range {
+            min_bytes: parse_bytes(lo)?,
+            max_bytes: parse_bytes(hi)?,
+        };
+        p.validate()
+            .map_err(|why| CommError::Config(format!("one-shot policy `{s}`: {why}")))?;
+        Ok(p)
+    }
+
+    /// Checks that a range can be meant: `MIN <= MAX` and room for one bf16
+    /// element.
+    fn validate(self) -> Result<(), String> {
+        match self {
+            OneShotPolicy::Range {
+                min_bytes,
+                max_bytes,
+            } if min_bytes > max_bytes => Err("MIN > MAX".into()),
+            OneShotPolicy::Range { max_bytes, .. } if max_bytes < 2 => Err(
+                "MAX is below one bf16 element (2 bytes): use `never` to turn the \
+                 one-shot path off"
+                    .into(),
+            ),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// How the backend's communicator hands work to NCCL. Both modes init with
 /// a deadline (non-blocking init, polled) and watch every submission's
 /// completion; they differ in the enqueue call itself.
@@ -212,6 +308,9 @@ pub struct BackendConfig {
     pub shutdown_timeout: Duration,
     /// The 2-rank fast-path policy.
     pub fast_path: FastPathPolicy,
+    /// The one-shot policy (2 to 8 ranks; `METRALE_COMM_ONE_SHOT`). It is
+    /// consulted before the fast path's. Must be the same on every rank.
+    pub one_shot: OneShotPolicy,
     /// Capacity of the fast path's receive buffer; larger payloads go in
     /// chunks of this size. A 2-rank backend whose policy can take the fast
     /// path allocates `min(scratch_bytes, largest fast-path payload)` of
@@ -241,6 +340,9 @@ impl BackendConfig {
             init_timeout: DEFAULT_INIT_TIMEOUT,
             shutdown_timeout: Duration::from_secs(10),
             fast_path: FastPathPolicy::DEFAULT,
+            // Off until it has run and been measured on GPUs: `auto`
+            // (`OneShotPolicy::DEFAULT`) turns it on.
+            one_shot: OneShotPolicy::Never,
             scratch_bytes: 32 << 20,
             flight_recorder_capacity: 4096,
             dump_dir: None,
@@ -282,6 +384,12 @@ impl BackendConfig {
         self
     }
 
+    /// Sets the one-shot policy.
+    pub fn with_one_shot(mut self, p: OneShotPolicy) -> Self {
+        self.one_shot = p;
+        self
+    }
+
     /// Sets the scratch capacity.
     pub fn with_scratch_bytes(mut self, bytes: usize) -> Self {
         self.scratch_bytes = bytes;
@@ -320,6 +428,9 @@ impl BackendConfig {
         self.fast_path
             .validate()
             .map_err(|why| CommError::Config(format!("fast path policy: {why}")))?;
+        self.one_shot
+            .validate()
+            .map_err(|why| CommError::Config(format!("one-shot policy: {why}")))?;
         if self.flight_recorder_capacity == 0 {
             return Err(CommError::Config(
                 "the flight recorder needs at least one entry".into(),
@@ -377,6 +488,9 @@ impl BackendConfig {
         }
         if let Some(p) = get("METRALE_COMM_FAST_PATH") {
             self.fast_path = FastPathPolicy::parse(&p)?;
+        }
+        if let Some(p) = get("METRALE_COMM_ONE_SHOT") {
+            self.one_shot = OneShotPolicy::parse(&p)?;
         }
         if let Some(b) = get("METRALE_COMM_SCRATCH_BYTES") {
             self.scratch_bytes = parse_bytes(&b)?;
@@ -439,6 +553,39 @@ mod tests {
         assert!(FastPathPolicy::parse("32M-1K").is_err());
         assert!(FastPathPolicy::parse("fast").is_err());
         assert!(parse_bytes("99999999999999999999G").is_err());
+    }
+
+    #[test]
+    fn one_shot_policies_parse() {
+        assert_eq!(OneShotPolicy::parse("off").unwrap(), OneShotPolicy::Never);
+        assert_eq!(
+            OneShotPolicy::parse("always").unwrap(),
+            OneShotPolicy::Always
+        );
+        assert_eq!(
+            OneShotPolicy::parse(" Auto ").unwrap(),
+            OneShotPolicy::DEFAULT
+        );
+        assert_eq!(
+            OneShotPolicy::parse("8K-512K").unwrap(),
+            OneShotPolicy::Range {
+                min_bytes: 8 << 10,
+                max_bytes: 512 << 10
+            }
+        );
+        assert!(OneShotPolicy::DEFAULT.takes(2) && OneShotPolicy::DEFAULT.takes(1 << 20));
+        assert!(!OneShotPolicy::DEFAULT.takes((1 << 20) + 2));
+        for bad in ["1M-1K", "0-1", "fast", "1M"] {
+            assert!(OneShotPolicy::parse(bad).is_err(), "{bad}");
+        }
+        let c = BackendConfig::new(0)
+            .with_overrides(|k| (k == "METRALE_COMM_ONE_SHOT").then(|| "never".to_string()))
+            .unwrap();
+        assert_eq!(c.one_shot, OneShotPolicy::Never);
+        assert_eq!(BackendConfig::new(0).one_shot, OneShotPolicy::Never);
+        let r = BackendConfig::new(0)
+            .with_overrides(|k| (k == "METRALE_COMM_ONE_SHOT").then(|| "2-1".to_string()));
+        assert!(matches!(r, Err(CommError::Config(m)) if m.contains("MIN > MAX")));
     }
 
     #[test]

@@ -15,7 +15,12 @@
 //! Invariants: [`BF16_ADD_PTX`] defines the entry [`BF16_ADD_NAME`] with the
 //! parameters `(bf16* dst, const bf16* src, u64 n)`, and accepts at most
 //! [`BF16_ADD_BLOCK`] threads per block; [`launch_config`] never exceeds
-//! that, and never returns an empty grid.
+//! that, and never returns an empty grid. [`BF16_ONE_SHOT_PTX`] defines
+//! [`BF16_ONE_SHOT_NAME`] with `(OsCtrl* ctrl, bf16* data, u64 n, u32
+//! lane)`, at most [`ONE_SHOT_BLOCK`] threads per block;
+//! [`one_shot_launch_config`] never returns more than [`ONE_SHOT_MAX_GRID`]
+//! blocks, nor an empty grid; [`one_shot_sum`] is its arithmetic on the
+//! host.
 
 /// PTX of `bf16_add_inplace`, `dst[i] = bf16(float(dst[i]) + float(src[i]))`
 /// rounded to nearest even: the arithmetic NCCL uses for a two-rank bf16
@@ -39,6 +44,75 @@ pub const BF16_ADD_BLOCK: u32 = 256;
 /// kernel's loops are grid-stride, so a smaller grid still covers every
 /// element.
 pub const BF16_ADD_MAX_GRID: u32 = 132 * 8;
+
+/// PTX of `bf16_one_shot_all_reduce`, the one-shot all-reduce over peer
+/// memory (protocol, layout and bounds in `kernels/bf16_one_shot.cu` and
+/// `nccl_backend/one_shot.rs`). Its result is [`one_shot_sum`].
+///
+/// Parameters, in order: `ctrl` (device address of the rank's 128-byte
+/// control block), `data` (device address of `n` bf16 values, reduced in
+/// place), `n` (`u64`, `1..=slot_bytes / 2`), `lane` (`u32`: 0 eager, 1
+/// captured into a graph).
+pub const BF16_ONE_SHOT_PTX: &str = include_str!("../kernels/bf16_one_shot.ptx");
+
+/// The entry point's name in [`BF16_ONE_SHOT_PTX`].
+pub const BF16_ONE_SHOT_NAME: &str = "bf16_one_shot_all_reduce";
+
+/// Threads per block for `bf16_one_shot_all_reduce`, also its most.
+pub const ONE_SHOT_BLOCK: u32 = 512;
+
+/// The most blocks a one-shot launch uses: a call spins while it waits for
+/// its peers, so it must never fill the GPU (two lanes' calls, NCCL's
+/// kernels and the engine's must fit beside it); 32 blocks of 512 threads
+/// are 8 of an H200's 132 SMs' worth of threads.
+pub const ONE_SHOT_MAX_GRID: u32 = 32;
+
+/// Grid and block for a one-shot call of `n` values: one thread per 8
+/// values, [`ONE_SHOT_BLOCK`] threads per block, 1 to
+/// [`ONE_SHOT_MAX_GRID`] blocks.
+pub(crate) fn one_shot_launch_config(n: u64) -> ((u32, u32, u32), (u32, u32, u32)) {
+    let blocks = n
+        .div_ceil(VALUES_PER_LOAD)
+        .div_ceil(u64::from(ONE_SHOT_BLOCK))
+        .clamp(1, u64::from(ONE_SHOT_MAX_GRID));
+    let blocks = u32::try_from(blocks).unwrap_or(ONE_SHOT_MAX_GRID);
+    ((blocks, 1, 1), (ONE_SHOT_BLOCK, 1, 1))
+}
+
+/// The one-shot all-reduce's result for `inputs` (rank order), as the
+/// kernel computes it on every rank: per element, the f32 sum
+/// `((v0 + v1) + v2) + ...` rounded once to bf16 (nearest even), where each
+/// input pair of elements `(2j, 2j + 1)` (indices from the start of the
+/// call, or of its chunk; chunks start at even indices) whose bits are
+/// `(+0.0, -0.0)` counts as `(+0.0, +0.0)`: that word is the kernel's
+/// "not arrived" mark. Inputs of unequal length are an error.
+pub fn one_shot_sum(inputs: &[Vec<half::bf16>]) -> Result<Vec<half::bf16>, String> {
+    let n = inputs.first().map_or(0, Vec::len);
+    if inputs.iter().any(|v| v.len() != n) {
+        return Err("inputs of unequal length".into());
+    }
+    let canon = |v: &[half::bf16], i: usize| -> f32 {
+        let pair = i & !1;
+        let (lo, hi) = (
+            v[pair].to_bits(),
+            v.get(pair + 1).map_or(0, |x| x.to_bits()),
+        );
+        if lo == 0 && hi == 0x8000 {
+            0.0
+        } else {
+            v[i].to_f32()
+        }
+    };
+    Ok((0..n)
+        .map(|i| {
+            let mut acc = canon(&inputs[0], i);
+            for v in &inputs[1..] {
+                acc += canon(v, i);
+            }
+            half::bf16::from_f32(acc)
+        })
+        .collect())
+}
 
 /// bf16 values per vectorised (16-byte) load.
 const VALUES_PER_LOAD: u64 = 8;
@@ -120,6 +194,53 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn one_shot_ptx_defines_the_entry() {
+        let lines: Vec<&str> = BF16_ONE_SHOT_PTX.lines().map(str::trim).collect();
+        assert!(lines.contains(&".version 7.0") && lines.contains(&".target sm_80"));
+        let entry = format!(".visible .entry {BF16_ONE_SHOT_NAME}(");
+        assert!(lines.contains(&entry.as_str()));
+        let param = |ty: &str, i: usize| format!(".param .{ty} {BF16_ONE_SHOT_NAME}_param_{i}");
+        for (i, ty) in ["u64", "u64", "u64", "u32"].iter().enumerate() {
+            assert!(
+                lines.iter().any(|l| l.starts_with(&param(ty, i))),
+                "parameter {i} is not .{ty}"
+            );
+        }
+        assert!(lines.contains(&format!(".maxntid {ONE_SHOT_BLOCK}, 1, 1").as_str()));
+        assert!(BF16_ONE_SHOT_PTX.contains("cvt.rn.bf16.f32"));
+        // Plain peer loads and stores only: no multicast objects, no multimem.
+        assert!(!BF16_ONE_SHOT_PTX.contains("multimem"));
+        assert!(BF16_ONE_SHOT_PTX.contains("%globaltimer"));
+    }
+
+    #[test]
+    fn one_shot_launch_config_is_bounded() {
+        assert_eq!(one_shot_launch_config(0), ((1, 1, 1), (512, 1, 1)));
+        assert_eq!(one_shot_launch_config(4096), ((1, 1, 1), (512, 1, 1)));
+        assert_eq!(one_shot_launch_config(4097), ((2, 1, 1), (512, 1, 1)));
+        assert_eq!(one_shot_launch_config(u64::MAX), ((32, 1, 1), (512, 1, 1)));
+    }
+
+    #[test]
+    fn one_shot_sum_adds_in_f32_and_rounds_once() {
+        use half::bf16;
+        let one = bf16::from_f32(1.0);
+        let tiny = bf16::from_f32(1.0 / 512.0);
+        // Rounded after every add (NCCL's order) this is 1.0; summed in f32
+        // and rounded once it is 1 + 1/256.
+        let s = one_shot_sum(&[vec![one], vec![tiny], vec![tiny]]).unwrap();
+        assert_eq!(s[0], bf16::from_f32(1.0 + 1.0 / 256.0));
+        // (+0, -0) pairs read as (+0, +0); a lone -0.0 elsewhere stays.
+        let (pz, nz) = (bf16::from_bits(0), bf16::from_bits(0x8000));
+        let s = one_shot_sum(&[vec![pz, nz, nz], vec![pz, nz, nz]]).unwrap();
+        assert_eq!(
+            s.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            [0, 0, 0x8000]
+        );
+        assert!(one_shot_sum(&[vec![one], vec![]]).is_err());
     }
 
     #[test]

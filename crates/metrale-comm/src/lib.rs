@@ -2,7 +2,8 @@
 //!
 //! The policy layer of the stack: the [`CommBackend`] trait an engine calls
 //! (as `dyn CommBackend`), [`NcclBackend`] over one NCCL communicator per
-//! rank with the 2-rank send/recv + add fast path, deadlines on every
+//! rank with the one-shot all-reduce over peer memory (2-8 ranks of a
+//! node) and the 2-rank send/recv + add fast path, deadlines on every
 //! operation, poisoning, a flight recorder, rendezvous and reconnect, and
 //! [`LocalBackend`] for a world of one.
 //!
@@ -87,7 +88,7 @@ pub mod rendezvous;
 mod validate;
 
 pub use backend::{AddKernel, CommBackend, Group, Registration, Result, SymmetricAlloc};
-pub use config::{BackendConfig, EnqueueMode, FastPathPolicy};
+pub use config::{BackendConfig, EnqueueMode, FastPathPolicy, OneShotPolicy};
 pub use error::{CommError, Failure, FailureKind};
 pub use local_backend::LocalBackend;
 pub use nccl_backend::{AllReducePath, NcclBackend};

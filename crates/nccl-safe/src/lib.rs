@@ -68,6 +68,7 @@ pub mod error;
 pub mod group;
 pub mod memory;
 pub mod module;
+pub mod peer;
 pub mod registration;
 pub mod stream;
 pub mod view;
@@ -85,6 +86,10 @@ pub use error::{
 pub use group::{Group, group};
 pub use memory::{COPY_DEADLINE, DataType, DeviceBuffer, Element, copy_device_async};
 pub use module::{Function, Module, launch_raw};
+pub use peer::{
+    HostWords, IpcHandle, IpcMapping, enable_peer_access, fill_words, ipc_handle,
+    unified_addressing,
+};
 pub use registration::{RegisteredBuffer, SymmetricBuffer, Window, nccl_version};
 pub use stream::{Event, Graph, GraphExec, Stream};
 pub use view::{DeviceView, DeviceViewMut, StreamRef};

@@ -17,7 +17,9 @@ use metrale_comm::{AllReducePath, CommBackend, FastPathPolicy, Group, NcclBacken
 use nccl_safe::{DeviceBuffer, Stream};
 
 use crate::RankCtx;
-use crate::data::{POISON_BYTE, SuiteElem, check, random_vec, sum_in_rank_order};
+use crate::data::{
+    POISON_BYTE, SuiteElem, all_reduce_reference, check, random_vec, sum_in_rank_order,
+};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -56,7 +58,7 @@ fn reduce_typed<T: SuiteElem>(
         check(
             &what,
             &buf.to_host_vec()?,
-            &sum_in_rank_order(&inputs),
+            &all_reduce_reference(b, &inputs),
             exact(ctx),
             w,
         )?;

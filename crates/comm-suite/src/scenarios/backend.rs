@@ -13,11 +13,15 @@ use half::bf16;
 use metrale_comm::AddKernel;
 use metrale_comm::{
     AllReducePath, CommBackend, CommError, EnqueueMode, FastPathPolicy, LocalBackend, NcclBackend,
+    OneShotPolicy,
 };
 use nccl_safe::{DataType, DeviceBuffer, DeviceView, DeviceViewMut, Stream};
 
 use crate::RankCtx;
-use crate::data::{POISON_BYTE, SuiteElem, check, hash, random_vec, size_name, sum_in_rank_order};
+use crate::data::{
+    POISON_BYTE, SuiteElem, all_reduce_reference, check, hash, random_vec, size_name,
+    sum_in_rank_order,
+};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -131,7 +135,12 @@ fn sweep_with(ctx: &RankCtx, mode: EnqueueMode, sizes: &[usize]) -> anyhow::Resu
     {
         let b = ctx.backend(
             &format!("sweep-{mode:?}-{pi}"),
-            ctx.config().with_fast_path(policy).with_enqueue(mode),
+            // The fast path against NCCL's: the one-shot path has its own
+            // sweep (`oneshot_sizes`).
+            ctx.config()
+                .with_fast_path(policy)
+                .with_one_shot(OneShotPolicy::Never)
+                .with_enqueue(mode),
         )?;
         let compute = Stream::new(b.context())?;
         for (si, &bytes) in sizes.iter().enumerate() {
@@ -297,7 +306,7 @@ fn every_operation_with(ctx: &RankCtx, mode: EnqueueMode) -> anyhow::Result<()> 
     check(
         "all_reduce with the engine's add kernel",
         &buf.to_host_vec()?,
-        &sum_in_rank_order(&inputs),
+        &all_reduce_reference(&b, &inputs),
         exact(ctx),
         w,
     )?;
@@ -417,7 +426,7 @@ fn graph_replay_with(
         check(
             &format!("graph replay {i}"),
             &buf.to_host_vec()?,
-            &sum_in_rank_order(&inputs),
+            &all_reduce_reference(&b, &inputs),
             exact(ctx),
             w,
         )?;
@@ -727,7 +736,7 @@ pub fn engine_flow(ctx: &RankCtx) -> anyhow::Result<()> {
     check(
         "flow all_reduce",
         &buf.to_host_vec()?,
-        &sum_in_rank_order(&inputs),
+        &all_reduce_reference(&b, &inputs),
         exact(ctx),
         w,
     )?;

@@ -7,6 +7,7 @@ pub mod api;
 pub mod backend;
 pub mod fuzz;
 pub mod integrity;
+pub mod oneshot;
 pub mod reliability;
 pub mod safe;
 pub mod scale;
@@ -190,6 +191,33 @@ pub fn all() -> Vec<Scenario> {
             &[1, 2, 3, 8],
             Nothing,
             api::thread_groups,
+        ),
+        s(
+            "oneshot_sizes",
+            "one-shot all-reduce, 1 element to 64 MiB, odd counts, eager/async/captured, bit-identical",
+            2,
+            Some(8),
+            &[2, 4, 8],
+            Nothing,
+            oneshot::sizes,
+        ),
+        s(
+            "oneshot_streams",
+            "one-shot eager work on 3 streams and graph replays on a 4th at once; reconnect; choice",
+            2,
+            Some(8),
+            &[2, 4, 8],
+            Nothing,
+            oneshot::streams,
+        ),
+        s(
+            "oneshot_stuck_rank",
+            "a rank never arrives (eager: watchdog abort; captured: kernel bound), reconnect, flat",
+            2,
+            Some(8),
+            &[2, 4, 8],
+            Nothing,
+            oneshot::stuck_rank,
         ),
         s(
             "rel_skipped_collective",

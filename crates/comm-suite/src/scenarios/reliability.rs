@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
 use half::bf16;
-use metrale_comm::{CommBackend, CommError, FailureKind, FastPathPolicy, NcclBackend};
+use metrale_comm::{
+    CommBackend, CommError, FailureKind, FastPathPolicy, NcclBackend, OneShotPolicy,
+};
 use nccl_safe::DeviceBuffer;
 
 use crate::data::{check, random_vec, sum_in_rank_order};
@@ -20,10 +22,14 @@ use crate::{RankCtx, analyze_dumps};
 const TIMEOUT: Duration = Duration::from_secs(2);
 const SLACK: Duration = Duration::from_secs(1);
 
+/// NCCL's all-reduce only: these scenarios inject faults into NCCL's
+/// operations (the one-shot path makes none; `oneshot_stuck_rank` covers
+/// its failures).
 pub(crate) fn short(ctx: &RankCtx) -> metrale_comm::BackendConfig {
     ctx.config()
         .with_collective_timeout(TIMEOUT)
         .with_fast_path(FastPathPolicy::Never)
+        .with_one_shot(OneShotPolicy::Never)
 }
 
 /// Resets the emulator's faults when dropped.

@@ -1,8 +1,14 @@
 //! The 2-rank fast path (a grouped send/recv of the whole buffer into the
 //! scratch buffer, then the bf16 add kernel, chunk by chunk), the choice
-//! between it and NCCL's all-reduce, and its scratch buffer.
+//! between the one-shot path (`one_shot`), it and NCCL's all-reduce, and
+//! its scratch buffer.
 //!
 //! Invariants:
+//! - The choice, in order: the one-shot path (bf16, on, a size inside its
+//!   policy, outside a group and registered or symmetric memory; graph
+//!   capture allowed), then the fast path, then NCCL's all-reduce. Every
+//!   input of the choice is the same on every rank (configuration, world
+//!   size, the set-up's agreed verdict), so every rank takes one path.
 //! - The fast path runs only for bf16 on 2 ranks with an add kernel, for a
 //!   size inside the policy, outside a group, registered or symmetric
 //!   memory, and graph capture.
@@ -28,14 +34,18 @@ pub enum AllReducePath {
     Nccl,
     /// Grouped send/recv into the scratch buffer, then the bf16 add kernel.
     FastPath,
+    /// Every rank pushes its input into every peer's buffer and sums them
+    /// all (2 to 8 ranks of one node, peer access proven at set-up).
+    OneShot,
 }
 
 impl Inner {
     /// The all-reduce path for `bytes` of `dtype` at `ptr` (`None`: an
     /// address outside registered and symmetric memory). Work captured
-    /// into a CUDA graph (`captured`) takes NCCL's all-reduce: the scratch
-    /// buffer is ordered between eager users by an event, which a replayed
-    /// graph cannot wait for.
+    /// into a CUDA graph (`captured`) takes the one-shot path (its own
+    /// lane) or NCCL's all-reduce, never the fast path: the scratch buffer
+    /// is ordered between eager users by an event, which a replayed graph
+    /// cannot wait for.
     pub(super) fn choose_path(
         &self,
         slot: &Slot,
@@ -44,13 +54,22 @@ impl Inner {
         dtype: DataType,
         captured: bool,
     ) -> AllReducePath {
+        let outside_registered = !ptr.is_some_and(|p| slot.in_registered_memory(p, bytes));
+        if dtype == DataType::Bfloat16
+            && slot.one_shot.is_on()
+            && self.config.one_shot.takes(bytes)
+            && !self.in_group(slot)
+            && outside_registered
+        {
+            return AllReducePath::OneShot;
+        }
         if self.world_size == 2
             && dtype == DataType::Bfloat16
             && !captured
             && !self.in_group(slot)
             && slot.kernel.is_some()
             && self.config.fast_path.takes_fast_path(bytes)
-            && !ptr.is_some_and(|p| slot.in_registered_memory(p, bytes))
+            && outside_registered
         {
             AllReducePath::FastPath
         } else {
@@ -141,6 +160,7 @@ impl Inner {
         let bytes = elems * dtype.size();
         match self.choose_path(slot, Some(ptr), bytes, dtype, captured) {
             AllReducePath::FastPath => self.fast_path(slot, ptr, elems, stream),
+            AllReducePath::OneShot => self.one_shot_all_reduce(slot, ptr, elems, stream, captured),
             AllReducePath::Nccl => {
                 let comm = slot.comm("all_reduce")?;
                 // SAFETY: `ptr` is valid for `elems` of `dtype` (the view's

@@ -3,14 +3,19 @@
 //!
 //! Invariants:
 //! - A reconnect aborts before it takes the slot (a thread inside NCCL
-//!   holding it is released by the abort), keeps the streams, events,
-//!   scratch and kernel (an engine may hold the stream), and drops the old
-//!   communicator's registrations.
+//!   holding it is released by the abort, and the one-shot abort word ends
+//!   any one-shot kernel), keeps the streams, events, scratch and kernel
+//!   (an engine may hold the stream), and drops the old communicator's
+//!   registrations. Every connect sets the one-shot path up again over the
+//!   new communicator, releasing the old generation's peer buffers first
+//!   (`one_shot`: close mappings, barrier, free).
 //! - Shutdown: abort first when nothing enqueued can finish (poisoned, or
 //!   a command receive still waiting for the root); drain (bounded) every
-//!   stream and event the backend's work used; only then deregister and
-//!   free. Memory whose work cannot be proven finished is leaked with an
-//!   error log, never freed under a kernel.
+//!   stream and event the backend's work used; release the one-shot peer
+//!   buffers (after a host barrier with the peers, else leaked: they may
+//!   still map them); only then deregister and free. Memory
+//!   whose work cannot be proven finished is leaked with an error log,
+//!   never freed under a kernel.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -58,7 +63,7 @@ impl Inner {
                 .map_err(|e| CommError::setup_of("blocking communicator", who, e))?;
         }
         self.install(slot, comm, generation);
-        Ok(())
+        self.one_shot_setup(slot)
     }
 
     /// Makes `comm` this backend's communicator of `generation`.
@@ -87,7 +92,10 @@ impl Inner {
         Ok(())
     }
 
-    fn abort_now(&self, why: &str) {
+    /// Aborts the communicator (and every one-shot kernel) now, without the
+    /// slot lock.
+    pub(super) fn abort_now(&self, why: &str) {
+        self.one_shot_abort();
         if let Some(handle) = self.abort.lock().as_ref()
             && let Err(e) = handle.abort()
         {
@@ -144,6 +152,7 @@ impl NcclBackend {
                 .ensure_scratch(&mut slot)
                 .map_err(|e| CommError::setup("fast-path scratch buffer", e))?;
             child_inner.install(&mut slot, child, 0);
+            child_inner.one_shot_setup(&mut slot)?;
         }
         NcclBackend::start(child_inner).map(Some)
     }
@@ -173,7 +182,8 @@ impl NcclBackend {
         }
         let _end = EndReconnect(&inner.health);
         // Abort first, without the slot lock: a thread inside NCCL holding the
-        // lock is released by the abort.
+        // lock is released by the abort, a one-shot kernel by its abort word.
+        inner.one_shot_abort();
         if let Some(handle) = inner.abort.lock().take()
             && let Err(e) = handle.abort()
         {
@@ -275,6 +285,9 @@ impl NcclBackend {
             aborted = true;
             drained = inner.drain(&slot, Instant::now() + timeout);
         }
+        if drained.is_ok() {
+            inner.one_shot_release(&mut slot, deadline);
+        }
         let result = match drained {
             Ok(()) => {
                 if !aborted && let Some(comm) = slot.comm.take() {
@@ -318,6 +331,7 @@ impl NcclBackend {
                     std::mem::forget(buf);
                 }
                 std::mem::forget(scratch);
+                inner.one_shot_leak(&mut slot);
                 Err(CommError::Refused {
                     op: "shutdown",
                     source: e,

@@ -4,8 +4,10 @@
 //! accessors), `submit` (the path every operation takes: health check,
 //! flight recorder, the enqueue under the slot lock, the completion ticket
 //! and its confirmation, per-thread groups), `watchdog` (the thread that
-//! watches completions and deadlines), `fast_path` (the 2-rank send/recv +
-//! add path and its scratch buffer), `lifecycle` (connect, split, reconnect,
+//! watches completions and deadlines), `fast_path` (the choice of
+//! all-reduce path, the 2-rank send/recv + add path and its scratch
+//! buffer), `one_shot` (the one-shot all-reduce over peer memory, its
+//! set-up, proof and release), `lifecycle` (connect, split, reconnect,
 //! shutdown and the teardown order), `ops` (the trait's operations).
 //!
 //! Invariants (NCCL's threading rules made into rules):
@@ -17,8 +19,9 @@
 //!   and the asynchronous-error query, through nccl-safe's `AbortHandle`,
 //!   which NCCL allows from another thread and which never touches a
 //!   destroyed communicator.
-//! - Lock order: `slot`, then `watched`, then `event_pool`; `abort` and
-//!   `idle_pending` are leaves (held for a copy or a swap, never across
+//! - Lock order: `slot`, then `watched`, then `event_pool`; `abort`,
+//!   `one_shot_flags` and `idle_pending` are leaves (held for a copy, a
+//!   load or a swap, never across
 //!   another lock). The watchdog never takes `slot`, and holds `watched`
 //!   only to copy or pop a queue's front, never across a driver call; the
 //!   call a blocking communicator is inside is published in two atomics.
@@ -41,6 +44,7 @@
 
 mod fast_path;
 mod lifecycle;
+mod one_shot;
 mod ops;
 mod submit;
 mod watchdog;
@@ -91,10 +95,13 @@ struct Slot {
     symmetric: HashMap<u64, SymmetricBuffer>,
     /// The group a thread has open, if any.
     group: Option<GroupState>,
+    /// The one-shot all-reduce's buffers, kernel and ordering event.
+    one_shot: one_shot::OneShot,
 }
 
-// SAFETY: the raw stream in `scratch_stream` is only compared and passed to
-// the driver under the slot lock; every other field is Send.
+// SAFETY: the raw streams in `scratch_stream` and the one-shot state are
+// only compared and passed to the driver under the slot lock; every other
+// field is Send.
 unsafe impl Send for Slot {}
 
 struct Inner {
@@ -124,6 +131,10 @@ struct Inner {
     in_call_since_us: AtomicU64,
     /// When the backend was made: the origin of `in_call_since_us`.
     born: std::time::Instant,
+    /// The one-shot path's host-pinned abort and status words while it is
+    /// on: kept outside `slot` so that the watchdog reads the status and
+    /// `poison` sets the abort without it.
+    one_shot_flags: Mutex<Option<Arc<nccl_safe::HostWords>>>,
     /// The completion event of a `recv_command_u32` enqueued and not yet
     /// seen complete: shutdown aborts such a receive at once, since only
     /// the root's next command could complete it.
@@ -273,13 +284,25 @@ impl NcclBackend {
     }
 
     /// Which path an eager bf16 `all_reduce` takes now for `bytes` in
-    /// ordinary device memory (buffers in registered or symmetric memory,
-    /// other types, and work captured into a CUDA graph always take NCCL's
-    /// all-reduce).
+    /// ordinary device memory (buffers in registered or symmetric memory
+    /// and other types always take NCCL's all-reduce; work captured into a
+    /// CUDA graph takes the one-shot path or NCCL's).
     pub fn all_reduce_path(&self, bytes: usize) -> AllReducePath {
         let slot = self.inner.slot.lock();
         self.inner
             .choose_path(&slot, None, bytes, nccl_safe::DataType::Bfloat16, false)
+    }
+
+    /// Why the one-shot all-reduce is off on this backend (policy, world
+    /// size, or which rank failed set-up or the proof of peer access, and
+    /// how), `None` while it is on. The same reason is logged at set-up.
+    pub fn one_shot_unavailable(&self) -> Option<String> {
+        self.inner
+            .slot
+            .lock()
+            .one_shot
+            .why_off()
+            .map(str::to_string)
     }
 }
 
@@ -334,6 +357,7 @@ impl Inner {
             in_call_seq: AtomicU64::new(0),
             in_call_since_us: AtomicU64::new(0),
             born: std::time::Instant::now(),
+            one_shot_flags: Mutex::new(None),
             idle_pending: Mutex::new(None),
         }))
     }
@@ -362,6 +386,7 @@ impl Slot {
             registered: HashMap::new(),
             symmetric: HashMap::new(),
             group: None,
+            one_shot: one_shot::OneShot::new(ctx).map_err(setup("one-shot state"))?,
         })
     }
 

@@ -8,7 +8,8 @@
 //!   poisons with that submission's op and sequence number.
 //! - A waiter returns `Ok` only after `confirm`: the event completed, the
 //!   communicator it ran on reports no asynchronous error, was not aborted,
-//!   and is still the current generation.
+//!   is still the current generation, and no one-shot kernel recorded a
+//!   failure.
 //! - Only the thread that opened a group submits while it is open; other
 //!   threads wait on `group_closed` (bounded by the collective timeout).
 
@@ -278,6 +279,7 @@ impl Inner {
             return failure;
         }
         self.recorder.set_state(seq, state);
+        self.one_shot_abort();
         if let Some(handle) = self.abort.lock().as_ref()
             && let Err(e) = handle.abort()
         {
@@ -552,6 +554,16 @@ impl Inner {
         }
         if self.generation.load(Ordering::Acquire) != ticket.generation {
             return Err(self.aborted(op, ticket));
+        }
+        // A one-shot kernel that gave up (its own deadline) completes its
+        // event too: its status says it holds no sum.
+        if let Some(kind) = self.one_shot_failure() {
+            let (first_op, first_seq) = self
+                .oldest_pending()
+                .filter(|&(_, s)| s < seq)
+                .unwrap_or((op, seq));
+            self.poison(first_op, first_seq, kind);
+            return Err(self.own_or_poisoned(op, seq));
         }
         Ok(())
     }

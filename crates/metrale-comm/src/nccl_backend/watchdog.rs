@@ -5,10 +5,11 @@
 //! Invariants:
 //! - It never takes the slot lock: the asynchronous error is asked for
 //!   through the abort handle, so a thread inside NCCL never delays it.
-//! - The asynchronous error is asked for before any finished submission is
-//!   marked complete, so a submission whose event fired on a failed
-//!   communicator is named as the failure (op and seq), never recorded as
-//!   done.
+//! - The asynchronous error, and the one-shot kernel's status (a kernel
+//!   that gave up completes its event too), are asked for before any
+//!   finished submission is marked complete, so a submission whose event
+//!   fired on a failed communicator is named as the failure (op and seq),
+//!   never recorded as done.
 //! - It holds only a weak reference between ticks, and exits at shutdown.
 
 use std::sync::atomic::Ordering;
@@ -163,7 +164,10 @@ impl Inner {
             Some(Err(nccl_safe::Error::Aborted { .. })) | Some(Ok(())) | None => None,
             Some(Err(e)) => Some(e),
         };
-        if let Some(e) = async_err {
+        let failure = async_err
+            .map(FailureKind::AsyncError)
+            .or_else(|| self.one_shot_failure());
+        if let Some(kind) = failure {
             let (op, seq) = done
                 .iter()
                 .map(|(op, seq, _)| (*op, *seq))
@@ -173,9 +177,9 @@ impl Inner {
                     // Nothing watched yet (a submission between its record
                     // and its watch): the last recorded one.
                     let seq = self.recorder.last_seq();
-                    (self.recorder.op_of(seq).unwrap_or("async error"), seq)
+                    (self.recorder.op_of(seq).unwrap_or("all_reduce"), seq)
                 });
-            self.poison(op, seq, FailureKind::AsyncError(e));
+            self.poison(op, seq, kind);
             return;
         }
         self.recorder

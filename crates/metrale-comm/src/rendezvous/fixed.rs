@@ -70,6 +70,10 @@ impl Rendezvous for FixedIdRendezvous {
             "barrier `{name}`: a fixed unique id has no store to meet in"
         )))
     }
+
+    fn has_store(&self) -> bool {
+        false
+    }
 }
 
 #[cfg(test)]

@@ -132,6 +132,10 @@ pub trait Rendezvous: Send + Sync + std::fmt::Debug {
     ) -> Result<[u8; ID_LEN], RendezvousError>;
     /// All ranks arrive at `name` before any returns; bounded by `timeout`.
     fn barrier(&self, name: &str, timeout: Duration) -> Result<(), RendezvousError>;
+    /// Whether [`Rendezvous::barrier`] can meet at all (a store behind it).
+    fn has_store(&self) -> bool {
+        true
+    }
 }
 
 /// The instant `timeout` from now, saturating instead of overflowing (a

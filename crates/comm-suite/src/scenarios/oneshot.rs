@@ -1,0 +1,411 @@
+//! Scenarios of the one-shot all-reduce over peer memory (2 to 8 ranks):
+//! every size from 1 element to 64 MiB (chunked past the slot), odd counts,
+//! eager, on compute streams and captured into graphs; eager work and graph
+//! replays overlapping on several streams; a healthy reconnect in between;
+//! a rank that never arrives (eagerly: the watchdog's abort ends the
+//! kernels; captured: the kernels' own bound does), with reconnects after;
+//! and the path's choice and its reasons when off.
+//!
+//! Invariants: every output element is checked against the path's host
+//! reference (`data::one_shot_reference`, the arithmetic of
+//! `metrale_comm::kernels::one_shot_sum`: f32 sum in rank order, rounded
+//! once), on rank 0 and, up to 64 Ki elements, on every rank; and every
+//! rank's output is bit-identical to rank 0's (hash through the store). On GPUs where the path is off (no peer access)
+//! the scenarios skip with the backend's reason. On the emulator they end
+//! with no CUDA IPC mapping open and no free of memory still mapped.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail, ensure};
+use half::bf16;
+use metrale_comm::{
+    AllReducePath, BackendConfig, CommBackend, CommError, FailureKind, FastPathPolicy, NcclBackend,
+    OneShotPolicy,
+};
+use nccl_safe::{DeviceBuffer, Stream};
+
+use crate::RankCtx;
+use crate::data::{check, hash, one_shot_reference, random_vec, size_name};
+
+const WAIT: Duration = Duration::from_secs(60);
+const TIMEOUT: Duration = Duration::from_secs(2);
+const SLACK: Duration = Duration::from_secs(1);
+
+/// Element counts of the sweep: 1 to 64 MiB, odd counts, both sides of the
+/// 1 MiB slot.
+const SIZES: &[usize] = &[
+    1,
+    2,
+    3,
+    7,
+    8,
+    9,
+    255,
+    4097,
+    65_535,
+    1 << 19,
+    (1 << 19) + 3,
+    (2 << 20) + 5,
+    (32 << 20) - 1,
+];
+
+fn one_shot_config(ctx: &RankCtx, policy: OneShotPolicy) -> BackendConfig {
+    ctx.config()
+        .with_one_shot(policy)
+        .with_fast_path(FastPathPolicy::Never)
+}
+
+/// The backend, or a skip when the path is off on this machine (GPUs
+/// without peer access); on the emulator the path must be on.
+fn one_shot_backend(ctx: &RankCtx, name: &str, cfg: BackendConfig) -> anyhow::Result<NcclBackend> {
+    let b = ctx.backend(name, cfg)?;
+    if let Some(why) = b.one_shot_unavailable() {
+        if ctx.on_gpu() {
+            b.shutdown().ok();
+            return Err(RankCtx::skip(format!("the one-shot path is off: {why}")));
+        }
+        bail!("the one-shot path is off on the emulator: {why}");
+    }
+    ensure!(
+        b.all_reduce_path(2) == AllReducePath::OneShot,
+        "all_reduce_path(2) = {:?}",
+        b.all_reduce_path(2)
+    );
+    Ok(b)
+}
+
+/// Checks `got` on this rank: every element against the reference of the
+/// `w` ranks' inputs (on rank 0, or on every rank for small counts), and
+/// bit-identity with every other rank.
+fn check_sum(
+    ctx: &RankCtx,
+    what: &str,
+    got: &[bf16],
+    inputs: impl Fn(usize) -> Vec<bf16>,
+) -> anyhow::Result<()> {
+    if ctx.rank == 0 || got.len() <= 1 << 16 {
+        let want = one_shot_reference(ctx.world_size, inputs);
+        check(what, got, &want, true, ctx.world_size)?;
+    }
+    ctx.all_equal(what, hash(got))
+}
+
+/// Every size, eager on the backend's stream, asynchronous on a compute
+/// stream, and captured into a graph replayed twice (fresh inputs each
+/// time); the reduction goes in chunks past the slot.
+pub fn sizes(ctx: &RankCtx) -> anyhow::Result<()> {
+    let seed = ctx.shared_seed("oneshot-sizes")?;
+    let b = one_shot_backend(
+        ctx,
+        "oneshot-sizes",
+        one_shot_config(ctx, OneShotPolicy::Always),
+    )?;
+    let compute = Stream::new(b.context())?;
+    for (si, &n) in SIZES.iter().enumerate() {
+        let big = n > 1 << 20;
+        for mode in ["eager", "async", "captured"] {
+            if big && mode == "async" && ctx.world_size > 2 {
+                continue;
+            }
+            let salt = (si as u64) << 8 | mode.len() as u64;
+            let what = format!(
+                "{mode} one-shot of {} bf16 ({n} elements)",
+                size_name(2 * n)
+            );
+            ctx.step(what.clone());
+            let mut buf =
+                DeviceBuffer::from_host(b.context(), &random_vec(seed, ctx.rank, salt, n))?;
+            match mode {
+                "eager" => {
+                    b.all_reduce(buf.view_mut()).with_context(|| what.clone())?;
+                    b.synchronize().with_context(|| what.clone())?;
+                }
+                "async" => {
+                    b.all_reduce_async(buf.view_mut(), compute.as_ref())
+                        .with_context(|| what.clone())?;
+                    compute
+                        .wait_until_idle(WAIT)
+                        .with_context(|| what.clone())?;
+                }
+                _ => {
+                    compute.begin_capture()?;
+                    let r = b.all_reduce_async(buf.view_mut(), compute.as_ref());
+                    let graph = compute.end_capture()?;
+                    r.with_context(|| what.clone())?;
+                    let exec = graph.instantiate()?;
+                    let replays = if big { 1 } else { 2 };
+                    for replay in 0..replays {
+                        let salt = salt ^ (replay + 1) << 32;
+                        buf.copy_from_host(&random_vec(seed, ctx.rank, salt, n))?;
+                        exec.launch(&compute)?;
+                        compute
+                            .wait_until_idle(WAIT)
+                            .with_context(|| what.clone())?;
+                        ensure!(b.is_healthy(), "{what}: unhealthy after replay {replay}");
+                        let got = buf.to_host_vec()?;
+                        check_sum(ctx, &format!("{what}, replay {replay}"), &got, |k| {
+                            random_vec(seed, k, salt, n)
+                        })?;
+                    }
+                    continue;
+                }
+            }
+            let got = buf.to_host_vec()?;
+            check_sum(ctx, &what, &got, |k| random_vec(seed, k, salt, n))?;
+        }
+    }
+    // Zeros: the (+0.0, -0.0) pairs the kernel reads as (+0.0, +0.0), and
+    // lone signed zeros, which it keeps.
+    let n = 1001;
+    let zeros = |k: usize| -> Vec<bf16> {
+        (0..n)
+            .map(|i| match i % 4 {
+                0 => bf16::from_bits(0),
+                1 => bf16::from_bits(0x8000),
+                2 => bf16::from_bits(if k.is_multiple_of(2) { 0x8000 } else { 0 }),
+                _ => bf16::from_f32(k as f32 + 0.5),
+            })
+            .collect()
+    };
+    let mut buf = DeviceBuffer::from_host(b.context(), &zeros(ctx.rank))?;
+    b.all_reduce(buf.view_mut())?;
+    b.synchronize()?;
+    check_sum(ctx, "signed zeros", &buf.to_host_vec()?, zeros)?;
+    b.shutdown()?;
+    no_mapping_left(ctx, "oneshot-sizes")
+}
+
+/// On the emulator: once every rank shut down, no CUDA IPC mapping is open
+/// and no memory was freed while mapped.
+fn no_mapping_left(ctx: &RankCtx, name: &str) -> anyhow::Result<()> {
+    ctx.barrier(&format!("{name}: shut down"))?;
+    if let Some(emu) = ctx.emu() {
+        ensure!(
+            emu.ipc_open_mappings() == 0,
+            "{} IPC mappings are still open after every rank shut down",
+            emu.ipc_open_mappings()
+        );
+        ensure!(
+            emu.ipc_violations() == 0,
+            "{} frees of device memory still mapped by a peer",
+            emu.ipc_violations()
+        );
+    }
+    Ok(())
+}
+
+/// One all-reduce of `n` values on `b` and `stream` with a fresh random
+/// input, checked.
+fn one_ok(ctx: &RankCtx, b: &NcclBackend, seed: u64, salt: u64, n: usize) -> anyhow::Result<()> {
+    let mut buf = DeviceBuffer::from_host(b.context(), &random_vec(seed, ctx.rank, salt, n))?;
+    b.all_reduce(buf.view_mut())?;
+    b.synchronize()?;
+    check_sum(ctx, &format!("one-shot {salt}"), &buf.to_host_vec()?, |k| {
+        random_vec(seed, k, salt, n)
+    })
+}
+
+/// Eager work on three streams and two graphs replayed on a fourth, all in
+/// flight at once (no host wait in between), in the same order on every
+/// rank; a healthy reconnect; the same again. Then the path's choice, an
+/// f32 all-reduce beside it, and a backend with the path off.
+pub fn streams(ctx: &RankCtx) -> anyhow::Result<()> {
+    let seed = ctx.shared_seed("oneshot-streams")?;
+    let w = ctx.world_size;
+    let b = one_shot_backend(
+        ctx,
+        "oneshot-streams",
+        ctx.config().with_one_shot(OneShotPolicy::DEFAULT),
+    )?;
+    let (s1, s2, s3) = (
+        Stream::new(b.context())?,
+        Stream::new(b.context())?,
+        Stream::new(b.context())?,
+    );
+    let n = 3001;
+    let input = |k: usize, salt: u64| random_vec::<bf16>(seed, k, salt, n);
+    for round in 0..2u64 {
+        let salt = |i: u64| round << 16 | i;
+        let mut bufs: Vec<DeviceBuffer<bf16>> = (0..8)
+            .map(|i| DeviceBuffer::from_host(b.context(), &input(ctx.rank, salt(i))))
+            .collect::<Result<_, _>>()?;
+        // Graphs: bufs[5] and bufs[6] in one capture, bufs[7] in another.
+        let (ga, gb) = {
+            let (head, tail) = bufs.split_at_mut(7);
+            s3.begin_capture()?;
+            let r = b
+                .all_reduce_async(head[5].view_mut(), s3.as_ref())
+                .and_then(|()| b.all_reduce_async(head[6].view_mut(), s3.as_ref()));
+            let ga = s3.end_capture()?;
+            r?;
+            s3.begin_capture()?;
+            let r = b.all_reduce_async(tail[0].view_mut(), s3.as_ref());
+            let gb = s3.end_capture()?;
+            r?;
+            (ga.instantiate()?, gb.instantiate()?)
+        };
+        ctx.step(format!("round {round}: eager work and replays in flight"));
+        let [b0, b1, b2, b3, b4, ..] = &mut bufs[..] else {
+            bail!("eight buffers");
+        };
+        b.all_reduce(b0.view_mut())?;
+        b.all_reduce_async(b1.view_mut(), s1.as_ref())?;
+        ga.launch(&s3)?;
+        b.all_reduce_async(b2.view_mut(), s2.as_ref())?;
+        b.all_reduce(b3.view_mut())?;
+        gb.launch(&s3)?;
+        b.all_reduce_async(b4.view_mut(), s1.as_ref())?;
+        for s in [&s1, &s2, &s3] {
+            s.wait_until_idle(WAIT)?;
+        }
+        b.synchronize()?;
+        ensure!(b.is_healthy(), "round {round}: unhealthy");
+        for (i, buf) in bufs.iter().enumerate() {
+            let got = buf.to_host_vec()?;
+            check_sum(ctx, &format!("round {round} buffer {i}"), &got, |k| {
+                input(k, salt(i as u64))
+            })?;
+        }
+        drop((ga, gb));
+        if round == 0 {
+            ctx.step("healthy attempt_reconnect");
+            ctx.barrier("oneshot-streams: reconnect")?;
+            b.attempt_reconnect().context("healthy reconnect")?;
+            ensure!(
+                b.one_shot_unavailable().is_none(),
+                "the one-shot path is off after a reconnect: {:?}",
+                b.one_shot_unavailable()
+            );
+        }
+    }
+    // The choice: bf16 up to 1 MiB takes the one-shot path, larger NCCL's
+    // (or the fast path's range on 2 ranks).
+    ensure!(b.all_reduce_path(1 << 20) == AllReducePath::OneShot);
+    let above = b.all_reduce_path((1 << 20) + 2);
+    ensure!(
+        above == AllReducePath::Nccl || (w == 2 && above == AllReducePath::FastPath),
+        "all_reduce_path(1 MiB + 2) = {above:?}"
+    );
+    ensure!(b.all_reduce_path(8 << 20) == AllReducePath::Nccl);
+    let f: Vec<f32> = random_vec(seed, ctx.rank, 99, 1000);
+    let mut fb = DeviceBuffer::from_host(b.context(), &f)?;
+    b.all_reduce(fb.view_mut())?;
+    b.synchronize()?;
+    let fs: Vec<Vec<f32>> = (0..w).map(|k| random_vec(seed, k, 99, 1000)).collect();
+    check(
+        "f32 beside the one-shot path",
+        &fb.to_host_vec()?,
+        &crate::data::sum_in_rank_order(&fs),
+        w <= 2 || !ctx.on_gpu(),
+        w,
+    )?;
+    b.shutdown()?;
+    let off = ctx.backend(
+        "oneshot-off",
+        ctx.config().with_one_shot(OneShotPolicy::Never),
+    )?;
+    ensure!(off.all_reduce_path(2) != AllReducePath::OneShot);
+    let why = off.one_shot_unavailable().unwrap_or_default();
+    ensure!(why.contains("never"), "the reason it is off: `{why}`");
+    off.shutdown()?;
+    no_mapping_left(ctx, "oneshot-streams")
+}
+
+fn expect_timeout(what: &str, r: Result<(), CommError>, took: Duration) -> anyhow::Result<()> {
+    let f = match r {
+        Err(CommError::Failed(f)) | Err(CommError::Poisoned { cause: f, .. }) => f,
+        Err(e) => bail!("{what}: expected a timeout failure, got {e}"),
+        Ok(()) => bail!("{what}: completed"),
+    };
+    ensure!(
+        matches!(f.kind, FailureKind::Timeout { .. }),
+        "{what}: expected a timeout, got {f}"
+    );
+    ensure!(
+        took <= TIMEOUT + SLACK,
+        "{what}: error after {took:?}, timeout {TIMEOUT:?}"
+    );
+    Ok(())
+}
+
+/// The last rank never arrives at a one-shot all-reduce: eagerly, the
+/// others' watchdogs time it out and their abort ends the kernels;
+/// captured, the kernels' own bound ends them and the watchdog poisons on
+/// their status. After each, every rank reconnects and the path works
+/// again; device memory stays flat.
+pub fn stuck_rank(ctx: &RankCtx) -> anyhow::Result<()> {
+    let seed = ctx.shared_seed("oneshot-stuck")?;
+    let last = ctx.world_size - 1;
+    let cfg = ctx
+        .config()
+        .with_collective_timeout(TIMEOUT)
+        .with_one_shot(OneShotPolicy::DEFAULT);
+    let b = one_shot_backend(ctx, "oneshot-stuck", cfg)?;
+    let n = 1000;
+    one_ok(ctx, &b, seed, 1, n)?;
+    let compute = Stream::new(b.context())?;
+    let mut buf = DeviceBuffer::<bf16>::from_host(b.context(), &random_vec(seed, ctx.rank, 2, n))?;
+    let free_before = b.context().mem_info()?.0;
+    for (cycle, captured) in [(0u64, false), (1, true)] {
+        let key = format!("oneshot-stuck/{cycle}");
+        // A graph captured in this generation (a reconnect invalidates it).
+        let exec = if captured {
+            compute.begin_capture()?;
+            let r = b.all_reduce_async(buf.view_mut(), compute.as_ref());
+            let graph = compute.end_capture()?;
+            r?;
+            Some(graph.instantiate()?)
+        } else {
+            None
+        };
+        if ctx.rank == last {
+            ctx.step(format!("cycle {cycle}: never arriving"));
+            for r in 0..last {
+                ctx.get(&format!("{key}/seen/{r}"))?;
+            }
+        } else {
+            ctx.step(format!("cycle {cycle}: one-shot without rank {last}"));
+            let t = Instant::now();
+            if let Some(exec) = &exec {
+                exec.launch(&compute)?;
+                compute
+                    .wait_until_idle(TIMEOUT + SLACK)
+                    .context("the captured one-shot did not end by its bound")?;
+                let until = Instant::now() + SLACK;
+                while b.is_healthy() && Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                let r = match b.failure() {
+                    Some(f) => Err(CommError::Failed(f)),
+                    None => Ok(()),
+                };
+                expect_timeout("captured stuck one-shot", r, t.elapsed())?;
+            } else {
+                let r = b.all_reduce(buf.view_mut()).and_then(|()| b.synchronize());
+                expect_timeout("eager stuck one-shot", r, t.elapsed())?;
+            }
+            ensure!(!b.is_healthy(), "healthy after a rank never arrived");
+            ctx.set(&format!("{key}/seen/{}", ctx.rank), b"1")?;
+        }
+        drop(exec);
+        ctx.barrier(&format!("{key}: before reconnect"))?;
+        ctx.step(format!("cycle {cycle}: attempt_reconnect"));
+        b.attempt_reconnect()
+            .with_context(|| format!("cycle {cycle}: attempt_reconnect"))?;
+        ensure!(b.is_healthy(), "cycle {cycle}: unhealthy after reconnect");
+        ensure!(
+            b.one_shot_unavailable().is_none(),
+            "cycle {cycle}: the one-shot path is off after reconnect: {:?}",
+            b.one_shot_unavailable()
+        );
+        one_ok(ctx, &b, seed, 10 + cycle, n).with_context(|| format!("cycle {cycle}"))?;
+    }
+    let free_after = b.context().mem_info()?.0;
+    let slack = if ctx.on_gpu() { 64 << 20 } else { 0 };
+    ensure!(
+        free_after + slack >= free_before,
+        "device memory free went from {free_before} to {free_after} over two reconnects"
+    );
+    b.shutdown()?;
+    no_mapping_left(ctx, "oneshot-stuck")
+}

@@ -1,0 +1,385 @@
+//! The host implementation of metrale-comm's `bf16_one_shot_all_reduce`
+//! kernel (`crates/metrale-comm/kernels/bf16_one_shot.cu`): the same
+//! protocol over the same memory layout, with the GPU's arithmetic, so the
+//! one-shot path runs across emulated ranks (threads of this process, whose
+//! peer mappings are the peers' own addresses).
+//!
+//! One launch runs as one block that covers every element. What it keeps
+//! from the GPU kernel:
+//! - the control block at `ctrl` (128 bytes: peer buffers, the host-pinned
+//!   abort and status words, the spin bound, rank, world, slot size, two
+//!   lanes of epoch, arrival count and owner) is read and written in place;
+//! - the push of the (sentinel-replaced) input into slot `rank` of every
+//!   peer's buffer, then the wait for every peer's slot in its own buffer,
+//!   the f32 sum in rank order, the clear back to the sentinel and the bf16
+//!   rounding (nearest even) into the data;
+//! - the lane's owner (a call that finds it held by another records the
+//!   concurrent-use status and touches nothing), the epoch that picks the
+//!   half, and the bounded spin: past the spin bound, or once the abort
+//!   word is set, the status word records why and the kernel ends.
+//!
+//! Invariants: every touch of emulated memory goes through
+//! `memory::access`, in short sections (never held while waiting), so a
+//! peer's push or a free is never blocked by a waiting kernel; buffers are
+//! read and written as atomic 32-bit words, as ranks on other threads touch
+//! them at once. A range not allocated when touched is the device's sticky
+//! illegal address.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use cuda_sys::CUresult;
+use half::bf16;
+
+use crate::driver;
+use crate::memory::{self, Span, range_ok};
+use crate::stream::Launcher;
+
+/// The kernel's entry name.
+pub(crate) const NAME: &str = "bf16_one_shot_all_reduce";
+
+const SENTINEL: u32 = 0x8000_0000;
+const CTRL_BYTES: usize = 128;
+const OFF_FLAGS: u64 = 64;
+const OFF_TIMEOUT: u64 = 72;
+const OFF_RANK: u64 = 80;
+const OFF_WORLD: u64 = 84;
+const OFF_SLOT: u64 = 88;
+const OFF_LANES: u64 = 96;
+const LANE_BYTES: u64 = 16;
+const MAX_RANKS: usize = 8;
+
+const STATUS_TIMEOUT: u32 = 1;
+const STATUS_ABORTED: u32 = 2;
+const STATUS_CONCURRENT: u32 = 3;
+const STATUS_BAD_LAUNCH: u32 = 4;
+
+/// Owner ids of launches (the GPU's `%gridid | 1 << 63`).
+static LAUNCHES: AtomicU64 = AtomicU64::new(1);
+
+/// The word of emulated memory at `addr`.
+///
+/// # Safety
+/// `addr` is 4-byte aligned and lies inside memory held live by the
+/// enclosing `memory::access`.
+unsafe fn word<'a>(addr: u64) -> &'a AtomicU32 {
+    // SAFETY: this function's contract.
+    unsafe { AtomicU32::from_ptr(addr as usize as *mut u32) }
+}
+
+/// The 64-bit word of emulated memory at `addr`.
+///
+/// # Safety
+/// As for [`word`], 8-byte aligned.
+unsafe fn word64<'a>(addr: u64) -> &'a AtomicU64 {
+    // SAFETY: this function's contract.
+    unsafe { AtomicU64::from_ptr(addr as usize as *mut u64) }
+}
+
+/// The control block's fixed part.
+struct Ctrl {
+    peer: [u64; MAX_RANKS],
+    flags: u64,
+    timeout: Duration,
+    rank: usize,
+    world: usize,
+    slot: u64,
+}
+
+/// # Safety
+/// `ctrl` holds a live, 8-byte aligned control block.
+unsafe fn read_ctrl(ctrl: u64) -> Ctrl {
+    // SAFETY: every offset lies inside the 128-byte block (this function's
+    // contract), aligned for its width.
+    unsafe {
+        let mut peer = [0u64; MAX_RANKS];
+        for (i, p) in peer.iter_mut().enumerate() {
+            *p = word64(ctrl + 8 * i as u64).load(Ordering::Acquire);
+        }
+        Ctrl {
+            peer,
+            flags: word64(ctrl + OFF_FLAGS).load(Ordering::Acquire),
+            timeout: Duration::from_nanos(word64(ctrl + OFF_TIMEOUT).load(Ordering::Acquire)),
+            rank: word(ctrl + OFF_RANK).load(Ordering::Acquire) as usize,
+            world: word(ctrl + OFF_WORLD).load(Ordering::Acquire) as usize,
+            slot: word64(ctrl + OFF_SLOT).load(Ordering::Acquire),
+        }
+    }
+}
+
+/// The word (+0.0, -0.0) read as (+0.0, +0.0), as the pusher writes it.
+fn canon(w: u32) -> u32 {
+    if w == SENTINEL { 0 } else { w }
+}
+
+/// Elements `8u .. 8u + 8` of `data` as four words; elements past `n` are
+/// +0.0.
+///
+/// # Safety
+/// `data` holds `n` bf16 values.
+unsafe fn load_unit(data: u64, n: usize, u: usize) -> [u32; 4] {
+    let mut e = [0u32; 8];
+    for (k, x) in e.iter_mut().enumerate() {
+        let i = 8 * u + k;
+        if i < n {
+            // SAFETY: `i < n` (this function's contract); unaligned reads
+            // keep odd addresses sound.
+            *x = u32::from(unsafe {
+                ((data + 2 * i as u64) as usize as *const u16).read_unaligned()
+            });
+        }
+    }
+    [0, 1, 2, 3].map(|j| e[2 * j] | (e[2 * j + 1] << 16))
+}
+
+/// Writes the elements of `w` below `n` to elements `8u .. 8u + 8`.
+///
+/// # Safety
+/// `data` holds `n` bf16 values.
+unsafe fn store_unit(data: u64, n: usize, u: usize, w: [u32; 4]) {
+    for k in 0..8 {
+        let i = 8 * u + k;
+        if i < n {
+            let v = (w[k / 2] >> (16 * (k % 2))) as u16;
+            // SAFETY: `i < n` (this function's contract).
+            unsafe { ((data + 2 * i as u64) as usize as *mut u16).write_unaligned(v) };
+        }
+    }
+}
+
+fn lo(w: u32) -> f32 {
+    f32::from_bits(w << 16)
+}
+
+fn hi(w: u32) -> f32 {
+    f32::from_bits(w & 0xFFFF_0000)
+}
+
+fn pack(lo: f32, hi: f32) -> u32 {
+    u32::from(bf16::from_f32(lo).to_bits()) | (u32::from(bf16::from_f32(hi).to_bits()) << 16)
+}
+
+/// The launch of `bf16_one_shot_all_reduce(ctrl, data, n, lane)` on a
+/// stream of device `dev`: the ranges are checked now, and again when it
+/// runs.
+pub(crate) fn launcher(
+    ctrl: u64,
+    data: u64,
+    n: u64,
+    lane: u32,
+    dev: i32,
+) -> Result<Launcher, CUresult> {
+    let n = usize::try_from(n).map_err(|_| CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    let bytes = n.checked_mul(2).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    if !ctrl.is_multiple_of(8) || !range_ok(ctrl, CTRL_BYTES, true) || !range_ok(data, bytes, true)
+    {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    Ok(Arc::new(move || {
+        let id = LAUNCHES.fetch_add(1, Ordering::Relaxed) | (1 << 63);
+        Box::new(move || {
+            if driver::sticky(dev).is_err() {
+                return;
+            }
+            if run(ctrl, data, n, lane, id).is_none() {
+                memory::illegal_address(dev, NAME, data, bytes);
+            }
+        })
+    }))
+}
+
+/// What one pass over the arrived data found.
+enum Pass {
+    Done,
+    Waiting,
+}
+
+/// Word `i` of the host-pinned flags at `flags` (0: abort, 1: status).
+fn flag(flags: u64, i: u64) -> Option<u32> {
+    memory::access(&[Span::any(flags, 8)], || {
+        // SAFETY: the span holds both words for the load; aligned.
+        unsafe { word(flags + 4 * i) }.load(Ordering::Acquire)
+    })
+}
+
+/// Records `code` as the status unless one is recorded already.
+fn fail(flags: u64, code: u32) -> Option<()> {
+    memory::access(&[Span::any(flags, 8)], || {
+        // SAFETY: the span holds both words for the exchange; aligned.
+        let status = unsafe { word(flags + 4) };
+        let _ = status.compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire);
+    })
+}
+
+/// One execution; `None` when memory it needed was not allocated.
+fn run(ctrl: u64, data: u64, n: usize, lane: u32, id: u64) -> Option<()> {
+    let t0 = Instant::now();
+    let ctrl_span = Span::device(ctrl, CTRL_BYTES);
+    // SAFETY: the span holds the control block for the read.
+    let c = memory::access(&[ctrl_span], || unsafe { read_ctrl(ctrl) })?;
+    let fail = |code| fail(c.flags, code);
+    let slot = c.slot;
+    if lane > 1
+        || !(2..=MAX_RANKS).contains(&c.world)
+        || c.rank >= c.world
+        || n == 0
+        || (2 * n) as u64 > slot
+        || !slot.is_multiple_of(16)
+    {
+        return fail(STATUS_BAD_LAUNCH);
+    }
+    if flag(c.flags, 1)? != 0 {
+        return Some(());
+    }
+    if flag(c.flags, 0)? != 0 {
+        return fail(STATUS_ABORTED);
+    }
+    let lane_at = ctrl + OFF_LANES + LANE_BYTES * u64::from(lane);
+    // SAFETY: the lane's epoch and owner lie inside the control block,
+    // which the span holds.
+    let taken = memory::access(&[ctrl_span], || unsafe {
+        match word64(lane_at + 8).compare_exchange(0, id, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => Some(word(lane_at).load(Ordering::Acquire)),
+            Err(prev) if prev == id => Some(word(lane_at).load(Ordering::Acquire)),
+            Err(_) => None,
+        }
+    })?;
+    let Some(epoch) = taken else {
+        return fail(STATUS_CONCURRENT);
+    };
+    let (world, rank) = (c.world, c.rank);
+    let half = u64::from(epoch & 1);
+    let region = (u64::from(lane) * 2 + half) * world as u64 * slot;
+    let units = n.div_ceil(8);
+    let used = units * 16;
+    let data_span = Span::device(data, 2 * n);
+
+    // 1. Push into slot `rank` of every peer.
+    let mut push = vec![data_span];
+    push.extend(
+        (0..world)
+            .filter(|&p| p != rank)
+            .map(|p| Span::device(c.peer[p] + region + rank as u64 * slot, used)),
+    );
+    memory::access(&push, || {
+        for u in 0..units {
+            // SAFETY: `data` holds `n` values (the span).
+            let v = unsafe { load_unit(data, n, u) }.map(canon);
+            for p in (0..world).filter(|&p| p != rank) {
+                let at = c.peer[p] + region + rank as u64 * slot + 16 * u as u64;
+                for (j, w) in v.iter().enumerate() {
+                    // SAFETY: inside the peer's slot (the span), aligned.
+                    unsafe { word(at + 4 * j as u64) }.store(*w, Ordering::Release);
+                }
+            }
+        }
+    })?;
+
+    // 2-3. Wait, add in rank order, clear, round.
+    let mine = c.peer[rank] + region;
+    let mut wait = vec![data_span];
+    wait.extend(
+        (0..world)
+            .filter(|&p| p != rank)
+            .map(|p| Span::device(mine + p as u64 * slot, used)),
+    );
+    let mut u = 0usize;
+    let mut tries = 0u32;
+    loop {
+        let pass = memory::access(&wait, || {
+            while u < units {
+                let at = |p: usize, j: usize| mine + p as u64 * slot + 16 * u as u64 + 4 * j as u64;
+                for p in (0..world).filter(|&p| p != rank) {
+                    for j in 0..4 {
+                        // SAFETY: inside this rank's own slot `p` (the span), aligned.
+                        let w = unsafe { word(at(p, j)) };
+                        if w.load(Ordering::Acquire) == SENTINEL {
+                            return Pass::Waiting;
+                        }
+                    }
+                }
+                let mut acc = [0f32; 8];
+                for p in 0..world {
+                    let mut v = [0u32; 4];
+                    if p == rank {
+                        // SAFETY: `data` holds `n` values (the span).
+                        v = unsafe { load_unit(data, n, u) }.map(canon);
+                    } else {
+                        for (j, x) in v.iter_mut().enumerate() {
+                            // SAFETY: as above; the word is cleared as it is read.
+                            let w = unsafe { word(at(p, j)) };
+                            *x = w.swap(SENTINEL, Ordering::AcqRel);
+                        }
+                    }
+                    for (j, w) in v.iter().enumerate() {
+                        if p == 0 {
+                            acc[2 * j] = lo(*w);
+                            acc[2 * j + 1] = hi(*w);
+                        } else {
+                            acc[2 * j] += lo(*w);
+                            acc[2 * j + 1] += hi(*w);
+                        }
+                    }
+                }
+                let out = [0, 1, 2, 3].map(|j| pack(acc[2 * j], acc[2 * j + 1]));
+                // SAFETY: `data` holds `n` values (the span).
+                unsafe { store_unit(data, n, u, out) };
+                u += 1;
+            }
+            Pass::Done
+        })?;
+        if let Pass::Done = pass {
+            break;
+        }
+        if flag(c.flags, 1)? != 0 {
+            return Some(());
+        }
+        if flag(c.flags, 0)? != 0 {
+            return fail(STATUS_ABORTED);
+        }
+        if t0.elapsed() > c.timeout {
+            return fail(STATUS_TIMEOUT);
+        }
+        tries += 1;
+        if tries < 64 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(u64::from(tries.min(1000))));
+        }
+    }
+
+    // 4. Advance the epoch and free the lane.
+    // SAFETY: the lane lies inside the control block (the span).
+    memory::access(&[ctrl_span], || unsafe {
+        word(lane_at).store(epoch.wrapping_add(1), Ordering::Release);
+        word64(lane_at + 8).store(0, Ordering::Release);
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn units_round_trip_and_pad_with_zero() {
+        let v: Vec<u16> = (1..=11).collect();
+        let p = v.as_ptr() as usize as u64;
+        // SAFETY: `v` holds 11 values.
+        let (a, b) = unsafe { (load_unit(p, 11, 0), load_unit(p, 11, 1)) };
+        assert_eq!(a[0], 1 | (2 << 16));
+        assert_eq!(b, [9 | (10 << 16), 11, 0, 0]);
+        let mut out = vec![0u16; 11];
+        let q = out.as_mut_ptr() as usize as u64;
+        // SAFETY: `out` holds 11 values.
+        unsafe { store_unit(q, 11, 1, b) };
+        assert_eq!(&out[8..], &[9, 10, 11]);
+    }
+
+    #[test]
+    fn the_sentinel_word_reads_as_zero() {
+        assert_eq!(canon(SENTINEL), 0);
+        assert_eq!(canon(0x8000), 0x8000);
+        assert_eq!(pack(lo(0x3f80_4000), hi(0x3f80_4000)), 0x3f80_4000);
+    }
+}

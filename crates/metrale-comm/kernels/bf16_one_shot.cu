@@ -1,0 +1,347 @@
+// bf16_one_shot.cu: the one-shot all-reduce of metrale-comm over peer memory
+// (the ranks of one node, 2 to 8).
+//
+// Compiled to PTX by `cargo xtask ptx` (nvcc --ptx -arch=compute_80) into
+// bf16_one_shot.ptx beside this file; the PTX is committed and loaded at run
+// time with cuModuleLoadData. The CPU emulator (crates/gpu-emu/src/one_shot.rs)
+// runs the same protocol and arithmetic by this kernel's name.
+//
+// Protocol (a Lamport-style push: the data says it has arrived, no barrier):
+//   Every rank owns a receive buffer that every peer maps (CUDA IPC, or a
+//   direct pointer with peer access in one process). It holds 2 lanes (0:
+//   eager work, 1: work captured into graphs) x 2 halves x `world` slots of
+//   `slot_bytes`; slot p of a half receives rank p's contribution. Outside a
+//   call every 32-bit word of it is the sentinel 0x80000000 (the bf16 pair
+//   (+0.0, -0.0)).
+//   A call on lane L uses half (epoch of L) & 1. Each rank
+//     1. pushes its input, 16 bytes at a time, into slot `rank` of that half
+//        of every peer's buffer, after replacing the word 0x80000000 by 0
+//        (so its data never looks like the sentinel);
+//     2. for each 16 bytes, in rank order 0..world-1, takes its own
+//        (replaced) input or spins on the peer's slot in its own buffer until
+//        no word is the sentinel, writes the sentinel back (the slot is clean
+//        for the call that uses this half next), and adds in f32;
+//     3. rounds the f32 sums to bf16 (nearest even) into the data, in place;
+//     4. counts its block as arrived; the last block increments the epoch
+//        and frees the lane.
+//   A peer can only be one call ahead: it finishes call k only after this
+//   rank's push for k, so its push for k + 1 goes to the other half, and its
+//   push for k + 2 comes after this rank's call k + 1 started, i.e. after this
+//   rank's call k (and its clearing) ended. Two halves suffice because the
+//   slot is cleared by its reader inside the call that read it.
+//
+// Arithmetic: out[i] = bf16_rn(((v0 + v1) + v2) + ...) in f32, v_r rank r's
+// input with the word (+0.0, -0.0) read as (+0.0, +0.0) (the pair is
+// aligned to even element indices of the call). Every rank adds in the same
+// order, so every rank's result is bit-identical.
+//
+// Bounds: a spinning thread reads the host-pinned abort word and the global
+// timer every OS_POLL_EVERY tries; past `timeout_ns`, or once the abort word
+// is set, it records a status in the host-pinned status word and the kernel
+// exits. A kernel that finds a status already set, or its lane held by
+// another call (two one-shots at once on one lane of one rank: the backend's
+// ordering rule broken), records one and exits without touching any buffer.
+// After a status is set the path stays failed until the backend sets it up
+// again (reconnect).
+//
+// Launch contract:
+//   params: ctrl  device pointer to this rank's OsCtrl (below);
+//           data  device pointer to n bf16 values, read and written in place;
+//           n     element count, 1 <= n, n * 2 <= ctrl->slot_bytes;
+//           lane  0 (eager) or 1 (captured into a graph).
+//   block:  OS_BLOCK (512) threads in x, or fewer; any grid size is correct
+//           (grid-stride loops); the host uses at most 32 blocks so that
+//           spinning calls never fill the GPU.
+//   shared memory: static only.
+// Peer memory is reached with plain volatile loads and stores (over NVLink
+// between the GPUs of one node); no multicast, no multimem.
+
+#include <cuda_bf16.h>
+
+#define OS_BLOCK 512
+#define OS_MAX_RANKS 8
+#define OS_SENTINEL 0x80000000u
+#define OS_POLL_EVERY 256
+
+#define OS_STATUS_TIMEOUT 1u
+#define OS_STATUS_ABORTED 2u
+#define OS_STATUS_CONCURRENT 3u
+#define OS_STATUS_BAD_LAUNCH 4u
+
+// One lane's state, in this rank's device memory.
+struct OsLane {
+    unsigned int epoch;        // calls completed on the lane since set-up
+    unsigned int arrived;      // blocks of the running call that finished
+    unsigned long long owner;  // the running call (%gridid | 1 << 63), 0: free
+};
+
+// This rank's control block (128 bytes), in its device memory; the host
+// writes it at set-up. The offsets are a contract with the host code
+// (metrale-comm's nccl_backend/one_shot.rs) and the emulator.
+struct OsCtrl {
+    unsigned long long peer[OS_MAX_RANKS];  //   0: each rank's receive buffer, as mapped here
+    unsigned long long flags;               //  64: host-pinned u32 words: [0] abort, [1] status
+    unsigned long long timeout_ns;          //  72: how long a thread may spin
+    unsigned int rank;                      //  80
+    unsigned int world;                     //  84
+    unsigned long long slot_bytes;          //  88: bytes of one slot, a multiple of 16
+    OsLane lane[2];                         //  96, 112
+};
+
+__device__ __forceinline__ unsigned long long os_clock()
+{
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ unsigned long long os_gridid()
+{
+    unsigned long long g;
+    asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
+    return g;
+}
+
+__device__ __forceinline__ uint4 os_ld(unsigned long long addr)
+{
+    uint4 v;
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(addr));
+    return v;
+}
+
+__device__ __forceinline__ void os_st(unsigned long long addr, uint4 v)
+{
+    asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};"
+                 :
+                 : "l"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+// Records `code` as the call's status unless one is recorded already.
+__device__ __forceinline__ void os_fail(volatile unsigned int* flags, unsigned int code)
+{
+    if (flags[1] == 0u) {
+        flags[1] = code;
+        __threadfence_system();
+    }
+}
+
+__device__ __forceinline__ unsigned int os_word(unsigned int w)
+{
+    return w == OS_SENTINEL ? 0u : w;
+}
+
+__device__ __forceinline__ uint4 os_canon(uint4 v)
+{
+    v.x = os_word(v.x);
+    v.y = os_word(v.y);
+    v.z = os_word(v.z);
+    v.w = os_word(v.w);
+    return v;
+}
+
+__device__ __forceinline__ bool os_arrived(uint4 v)
+{
+    return v.x != OS_SENTINEL && v.y != OS_SENTINEL && v.z != OS_SENTINEL &&
+           v.w != OS_SENTINEL;
+}
+
+// Elements 8u .. 8u + 7 of `data` as four words; elements at or past `n`
+// read as +0.0.
+__device__ __forceinline__ uint4 os_load(const unsigned short* data, unsigned long long n,
+                                         unsigned long long u, bool aligned)
+{
+    const unsigned long long i = u * 8ull;
+    if (aligned && i + 8ull <= n) {
+        return *reinterpret_cast<const uint4*>(data + i);
+    }
+    unsigned int e[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        e[k] = (i + k < n) ? (unsigned int)data[i + k] : 0u;
+    }
+    uint4 v;
+    v.x = e[0] | (e[1] << 16);
+    v.y = e[2] | (e[3] << 16);
+    v.z = e[4] | (e[5] << 16);
+    v.w = e[6] | (e[7] << 16);
+    return v;
+}
+
+// Writes the elements of `v` that lie below `n` to elements 8u .. 8u + 7.
+__device__ __forceinline__ void os_store(unsigned short* data, unsigned long long n,
+                                         unsigned long long u, bool aligned, uint4 v)
+{
+    const unsigned long long i = u * 8ull;
+    if (aligned && i + 8ull <= n) {
+        *reinterpret_cast<uint4*>(data + i) = v;
+        return;
+    }
+    const unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        if (i + k < n) {
+            data[i + k] = (unsigned short)(w[k / 2] >> (16 * (k % 2)));
+        }
+    }
+}
+
+__device__ __forceinline__ float os_lo(unsigned int w)
+{
+    return __uint_as_float(w << 16);
+}
+
+__device__ __forceinline__ float os_hi(unsigned int w)
+{
+    return __uint_as_float(w & 0xFFFF0000u);
+}
+
+__device__ __forceinline__ void os_acc(float* acc, uint4 v, bool first)
+{
+    const unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        if (first) {
+            acc[2 * k] = os_lo(w[k]);
+            acc[2 * k + 1] = os_hi(w[k]);
+        } else {
+            acc[2 * k] += os_lo(w[k]);
+            acc[2 * k + 1] += os_hi(w[k]);
+        }
+    }
+}
+
+__device__ __forceinline__ unsigned int os_pack(float lo, float hi)
+{
+    const unsigned int l = __bfloat16_as_ushort(__float2bfloat16_rn(lo));
+    const unsigned int h = __bfloat16_as_ushort(__float2bfloat16_rn(hi));
+    return l | (h << 16);
+}
+
+extern "C" __global__ void __launch_bounds__(OS_BLOCK)
+bf16_one_shot_all_reduce(OsCtrl* ctrl, unsigned short* data, unsigned long long n,
+                         unsigned int lane)
+{
+    __shared__ unsigned int s_epoch;
+    __shared__ unsigned int s_go;
+    __shared__ unsigned long long s_peer[OS_MAX_RANKS];
+
+    volatile unsigned int* flags = reinterpret_cast<volatile unsigned int*>(ctrl->flags);
+    const unsigned int world = ctrl->world;
+    const unsigned int rank = ctrl->rank;
+    const unsigned long long slot = ctrl->slot_bytes;
+    const unsigned long long timeout = ctrl->timeout_ns;
+    const unsigned long long t0 = os_clock();
+
+    if (threadIdx.x == 0) {
+        unsigned int go = 1u;
+        if (lane > 1u || world < 2u || world > OS_MAX_RANKS || rank >= world || n == 0ull ||
+            n * 2ull > slot || (slot & 15ull) != 0ull) {
+            os_fail(flags, OS_STATUS_BAD_LAUNCH);
+            go = 0u;
+        } else if (flags[1] != 0u) {
+            go = 0u;
+        } else if (flags[0] != 0u) {
+            os_fail(flags, OS_STATUS_ABORTED);
+            go = 0u;
+        } else {
+            const unsigned long long me = os_gridid() | (1ull << 63);
+            const unsigned long long prev = atomicCAS(&ctrl->lane[lane].owner, 0ull, me);
+            if (prev != 0ull && prev != me) {
+                os_fail(flags, OS_STATUS_CONCURRENT);
+                go = 0u;
+            }
+        }
+        s_go = go;
+        s_epoch = go ? *reinterpret_cast<volatile unsigned int*>(&ctrl->lane[lane].epoch) : 0u;
+    }
+    if (threadIdx.x < OS_MAX_RANKS) {
+        s_peer[threadIdx.x] = ctrl->peer[threadIdx.x];
+    }
+    __syncthreads();
+    if (s_go == 0u) {
+        return;
+    }
+
+    const unsigned long long half = s_epoch & 1u;
+    const unsigned long long region = (lane * 2ull + half) * world * slot;
+    const unsigned long long units = (n + 7ull) / 8ull;
+    const bool aligned = (reinterpret_cast<unsigned long long>(data) & 15ull) == 0ull;
+    const unsigned long long tid = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+
+    // 1. Push this rank's contribution into slot `rank` of every peer.
+    for (unsigned long long u = tid; u < units; u += stride) {
+        const uint4 v = os_canon(os_load(data, n, u, aligned));
+        for (unsigned int p = 0; p < world; ++p) {
+            if (p != rank) {
+                os_st(s_peer[p] + region + rank * slot + u * 16ull, v);
+            }
+        }
+    }
+
+    // 2-3. Wait for every contribution, add in rank order, clear, round.
+    const uint4 clear = make_uint4(OS_SENTINEL, OS_SENTINEL, OS_SENTINEL, OS_SENTINEL);
+    const unsigned long long mine = s_peer[rank] + region;
+    bool bail = false;
+    unsigned int spins = 0;
+    for (unsigned long long u = tid; u < units && !bail; u += stride) {
+        float acc[8];
+        for (unsigned int p = 0; p < world && !bail; ++p) {
+            uint4 v;
+            if (p == rank) {
+                v = os_canon(os_load(data, n, u, aligned));
+            } else {
+                const unsigned long long src = mine + p * slot + u * 16ull;
+                v = os_ld(src);
+                while (!os_arrived(v)) {
+                    if (++spins % OS_POLL_EVERY == 0u) {
+                        if (flags[1] != 0u) {
+                            bail = true;
+                        } else if (flags[0] != 0u) {
+                            os_fail(flags, OS_STATUS_ABORTED);
+                            bail = true;
+                        } else if (os_clock() - t0 > timeout) {
+                            os_fail(flags, OS_STATUS_TIMEOUT);
+                            bail = true;
+                        }
+                        if (bail) {
+                            break;
+                        }
+                    }
+                    v = os_ld(src);
+                }
+                if (bail) {
+                    break;
+                }
+                os_st(src, clear);
+            }
+            os_acc(acc, v, p == 0u);
+        }
+        if (!bail) {
+            uint4 out;
+            out.x = os_pack(acc[0], acc[1]);
+            out.y = os_pack(acc[2], acc[3]);
+            out.z = os_pack(acc[4], acc[5]);
+            out.w = os_pack(acc[6], acc[7]);
+            os_store(data, n, u, aligned, out);
+        }
+    }
+
+    // 4. The last block to arrive advances the epoch and frees the lane.
+    if (__syncthreads_or(bail ? 1 : 0)) {
+        return;
+    }
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const unsigned int done = atomicAdd(&ctrl->lane[lane].arrived, 1u);
+        if (done == gridDim.x - 1u) {
+            ctrl->lane[lane].arrived = 0u;
+            ctrl->lane[lane].epoch = s_epoch + 1u;
+            __threadfence();
+            atomicExch(&ctrl->lane[lane].owner, 0ull);
+        }
+    }
+}

@@ -1,0 +1,390 @@
+//! The one-shot all-reduce over peer memory, for the 2 to 8 ranks of one
+//! node: every rank pushes its bf16 input into a buffer of every peer, and
+//! every rank adds all contributions itself, in rank order, in f32
+//! (`kernels/bf16_one_shot.cu` has the protocol; [`crate::kernels::one_shot_sum`]
+//! the arithmetic). One kernel launch per call (per chunk of the slot size),
+//! no barrier, no NCCL call.
+//!
+//! Set-up, at construction and at every reconnect, over the new
+//! communicator (all ranks take the same steps, so the collectives match):
+//! 1. allocate this rank's receive buffer (2 lanes x 2 halves x `world`
+//!    slots, filled with the sentinel), its 128-byte control block and 2
+//!    host-pinned words (abort, status), and export the buffer's IPC handle;
+//! 2. exchange a record (handle, address, process, host, slot size) with an
+//!    all-reduce of bytes (all-reduces are connected at init, so this makes
+//!    no connection inside a blocking call);
+//! 3. map every peer's buffer: `cuIpcOpenMemHandle`, or where the driver
+//!    refuses a handle of this very process, the peer's address with
+//!    `cuCtxEnablePeerAccess`; exchange how that went;
+//! 4. prove it: run the kernel on both halves of both lanes with a known
+//!    pattern and check every element on the host (a real write to and read
+//!    from every peer), then exchange the verdicts. The path is on only if
+//!    every rank succeeded; otherwise it is off on every rank, and each rank
+//!    logs which rank failed and why.
+//!
+//! Invariants:
+//! - Ordering of the buffers, reused across operations: eager one-shots use
+//!   lane 0 and are ordered by `eager_done` across streams (recorded after
+//!   each, waited for by the next on another stream); one-shots captured
+//!   into a graph use lane 1, which eager work never touches, so a graph
+//!   replaying on another stream than eager work may overlap it freely.
+//!   Lane 1 is ordered by the graphs themselves: the engine replays graphs
+//!   holding one-shots one at a time per rank, in the same order on every
+//!   rank (as captured collectives must be ordered anyway). A call that
+//!   finds its lane held by another running call (the rule broken) records
+//!   the concurrent-use status, which poisons the backend, instead of
+//!   corrupting a sum.
+//! - Nothing waits on the host and no kernel argument changes between
+//!   replays: epochs, owners and flags live in device and pinned memory.
+//! - Every spin is bounded: by the collective timeout plus
+//!   [`KERNEL_GRACE`] (the kernel's own clock; the watchdog's deadline on
+//!   eager work comes first), and by the abort word, which poisoning,
+//!   shutdown and reconnect set. A status set by the kernel poisons the
+//!   backend when the watchdog or a waiter next looks (before it counts
+//!   any completion).
+//! - Release order (at reconnect and shutdown, poisoned or not): set the
+//!   abort word, wait (bounded) for this rank's own one-shot work, close
+//!   this rank's mappings of the peers' buffers, then a host barrier
+//!   through the rendezvous' store (every peer has closed its mapping of
+//!   this rank's buffer), and only then free. The barrier is host-only: a
+//!   kernel waiting for a peer could block that peer's teardown of another
+//!   communicator, which waits for this GPU. Without the barrier (a peer
+//!   that does not come by the deadline) the receive buffer is leaked with
+//!   a log line rather than freed under a peer's mapping; the control block
+//!   and pinned words too if this rank's own work did not drain. A backend
+//!   without a store (split sub-communicators, a fixed unique id) does not
+//!   set the path up.
+//! - Graphs that captured a one-shot must not be replayed after a
+//!   reconnect or shutdown (their control block is gone), as with NCCL's
+//!   captured collectives on a destroyed communicator.
+
+use std::ffi::c_void;
+use std::mem::ManuallyDrop;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cuda_sys::CUstream;
+use nccl_safe::{Context, DeviceBuffer, Event, Function, HostWords, IpcMapping, Module};
+
+use super::{Inner, Slot};
+use crate::config::OneShotPolicy;
+use crate::error::FailureKind;
+use crate::kernels;
+
+mod setup;
+
+/// Lane of eager calls.
+const LANE_EAGER: u32 = 0;
+/// Lane of calls captured into graphs.
+const LANE_GRAPH: u32 = 1;
+/// The largest slot (bytes one rank sends one peer per launch).
+const MAX_SLOT_BYTES: usize = 1 << 20;
+/// The smallest slot.
+const MIN_SLOT_BYTES: usize = 4 << 10;
+/// The sentinel filling every free slot word.
+const SENTINEL: u32 = 0x8000_0000;
+/// Kernel statuses (the `.cu` file's `OS_STATUS_*`).
+const STATUS_TIMEOUT: u32 = 1;
+const STATUS_ABORTED: u32 = 2;
+const STATUS_CONCURRENT: u32 = 3;
+/// How much longer than the collective timeout a kernel spins: the
+/// watchdog's deadline on eager work comes first (and names the
+/// operation); the kernel's own bound ends work no watchdog sees (graph
+/// replays).
+const KERNEL_GRACE: Duration = Duration::from_millis(500);
+/// The most ranks the kernel serves (`OS_MAX_RANKS`).
+const MAX_RANKS: usize = 8;
+
+/// How a peer's buffer is reached; dropping it closes the mapping.
+enum PeerMem {
+    Own,
+    /// An IPC mapping, closed on drop.
+    Ipc {
+        _mapping: IpcMapping,
+    },
+    /// A rank of this process: its address, with peer access enabled to its
+    /// context (kept retained).
+    Direct {
+        _peer: Arc<Context>,
+    },
+}
+
+/// The set-up resources of one generation. Only `one_shot_release` frees
+/// them, in order; dropped any other way (a shutdown that could not take
+/// the slot) the memory is leaked, never freed under a kernel or a peer.
+struct Live {
+    recv: ManuallyDrop<DeviceBuffer<u32>>,
+    ctrl: ManuallyDrop<DeviceBuffer<u64>>,
+    flags: ManuallyDrop<Arc<HostWords>>,
+    peers: Vec<PeerMem>,
+    slot_bytes: usize,
+}
+
+/// The one-shot path's state, in the slot.
+pub(super) struct OneShot {
+    kernel: Option<Function>,
+    live: Option<Live>,
+    /// Every rank proved the path: it is on.
+    on: bool,
+    /// Why it is off.
+    off: String,
+    /// The generation whose set-up exchanged records: its release owes the
+    /// peers a barrier.
+    exchanged: Option<u64>,
+    /// Recorded after every eager one-shot (see the module docs).
+    eager_done: Event,
+    eager_stream: Option<CUstream>,
+}
+
+impl OneShot {
+    pub(super) fn new(ctx: &Arc<Context>) -> nccl_safe::Result<OneShot> {
+        Ok(OneShot {
+            kernel: None,
+            live: None,
+            on: false,
+            off: "not set up".to_string(),
+            exchanged: None,
+            eager_done: Event::new(ctx, false)?,
+            eager_stream: None,
+        })
+    }
+
+    /// The kernel, loaded on first use (backends whose policy or world
+    /// size rules the path out never JIT-compile it).
+    fn kernel(&mut self, ctx: &Arc<Context>) -> nccl_safe::Result<&Function> {
+        if self.kernel.is_none() {
+            let module = Module::load_ptx(ctx, kernels::BF16_ONE_SHOT_PTX)?;
+            self.kernel = Some(module.function(kernels::BF16_ONE_SHOT_NAME)?);
+        }
+        self.kernel
+            .as_ref()
+            .ok_or_else(|| nccl_safe::Error::invalid("one-shot kernel", "not loaded"))
+    }
+
+    /// Whether the path is on (set up and proven on every rank).
+    pub(super) fn is_on(&self) -> bool {
+        self.on
+    }
+
+    /// Why the path is off, `None` when it is on.
+    pub(super) fn why_off(&self) -> Option<&str> {
+        (!self.on).then_some(self.off.as_str())
+    }
+}
+
+/// The slot size for a policy: its largest payload, in whole 16-byte
+/// units, within [`MIN_SLOT_BYTES`]..=[`MAX_SLOT_BYTES`].
+fn slot_bytes_for(policy: OneShotPolicy) -> usize {
+    let max = policy.max_bytes().unwrap_or(0);
+    max.min(MAX_SLOT_BYTES)
+        .next_multiple_of(16)
+        .clamp(MIN_SLOT_BYTES, MAX_SLOT_BYTES)
+}
+
+impl Inner {
+    /// The kernel's status, as a failure to poison with: `None` when the
+    /// path is off, all is well, or the kernel only saw the abort that a
+    /// failure, shutdown or reconnect set.
+    pub(super) fn one_shot_failure(&self) -> Option<FailureKind> {
+        let status = self.one_shot_flags.lock().as_ref().map(|f| f.load(1))?;
+        match status {
+            0 | STATUS_ABORTED => None,
+            STATUS_TIMEOUT => Some(FailureKind::Timeout {
+                after: self.config.collective_timeout,
+            }),
+            STATUS_CONCURRENT => Some(FailureKind::CallFailed(nccl_safe::Error::invalid(
+                "one-shot all-reduce",
+                "two one-shot all-reduces ran at once on one lane of this rank: graphs \
+                 holding one-shots must replay one at a time, in the same order on every rank",
+            ))),
+            other => Some(FailureKind::CallFailed(nccl_safe::Error::invalid(
+                "one-shot all-reduce",
+                format!("the kernel refused its launch (status {other})"),
+            ))),
+        }
+    }
+
+    /// Sets the abort word: every one-shot kernel of this rank stops
+    /// waiting and exits (its output is not a sum).
+    pub(super) fn one_shot_abort(&self) {
+        if let Some(f) = self.one_shot_flags.lock().as_ref() {
+            f.store(0, 1);
+        }
+    }
+
+    /// Enqueues a one-shot all-reduce of `elems` bf16 values at `ptr` on
+    /// `stream` (lane 1 when `captured`), in chunks of the slot size.
+    pub(super) fn one_shot_all_reduce(
+        &self,
+        slot: &mut Slot,
+        ptr: u64,
+        elems: usize,
+        stream: CUstream,
+        captured: bool,
+    ) -> nccl_safe::Result<()> {
+        let os = &mut slot.one_shot;
+        let (Some(live), Some(kernel), true) = (os.live.as_ref(), os.kernel.clone(), os.on) else {
+            return Err(nccl_safe::Error::invalid(
+                "one-shot all-reduce",
+                "the path is off",
+            ));
+        };
+        let (ctrl, chunk) = (live.ctrl.device_ptr(), live.slot_bytes / 2);
+        let lane = if captured { LANE_GRAPH } else { LANE_EAGER };
+        if !captured && os.eager_stream.is_some_and(|s| s != stream) {
+            // SAFETY: `stream` is ours or the caller's live stream of this
+            // context (a `StreamRef`); the event is ours.
+            unsafe { os.eager_done.wait_raw(stream)? };
+        }
+        let mut off = 0usize;
+        while off < elems {
+            let len = chunk.min(elems - off);
+            // SAFETY: the range lies inside the caller's view of bf16 values
+            // on this context; `ctrl` is this rank's set-up control block,
+            // which lives until the release waited for this work.
+            unsafe { launch(&kernel, ctrl, ptr + (off * 2) as u64, len, lane, stream)? };
+            off += len;
+        }
+        if !captured {
+            // SAFETY: as above.
+            unsafe { os.eager_done.record_raw(stream)? };
+            os.eager_stream = Some(stream);
+        }
+        Ok(())
+    }
+
+    /// Releases this generation's one-shot buffers in the order the module
+    /// docs give, bounded by `deadline`; what cannot be freed in that order
+    /// is leaked with a log line (never freed under a peer's mapping or this
+    /// rank's own work).
+    pub(super) fn one_shot_release(&self, slot: &mut Slot, deadline: Instant) {
+        slot.one_shot.on = false;
+        let owed = slot.one_shot.exchanged.take();
+        let mut live = slot.one_shot.live.take();
+        self.one_shot_flags.lock().take();
+        if let Some(l) = &live {
+            l.flags.store(0, 1);
+        }
+        let left = || deadline.saturating_duration_since(Instant::now());
+        let drained = slot.one_shot.eager_stream.take().is_none()
+            || slot.one_shot.eager_done.wait_with_deadline(left()).is_ok();
+        if let Some(l) = live.as_mut() {
+            drop(std::mem::take(&mut l.peers));
+        }
+        // Every rank that took part in the exchange meets here, its own
+        // mappings closed: a host barrier through the rendezvous' store, so
+        // no kernel waits for a peer that may be tearing down another
+        // communicator (whose teardown waits for this GPU).
+        let unmapped = match (owed, self.rendezvous.as_ref()) {
+            (None, _) => true,
+            (Some(generation), Some(rv)) => {
+                match rv.barrier(&format!("one-shot release {generation}"), left()) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        tracing::warn!(
+                            rank = self.rank,
+                            "one-shot release: the peers did not all release: {e}"
+                        );
+                        false
+                    }
+                }
+            }
+            (Some(_), None) => false,
+        };
+        let Some(mut live) = live else { return };
+        let bytes = live.recv.bytes();
+        if !drained {
+            tracing::error!(
+                rank = self.rank,
+                bytes,
+                "one-shot release: this rank's own one-shot work did not drain; \
+                 leaking its buffers"
+            );
+            return;
+        }
+        // SAFETY: this rank's own work on the control block and the pinned
+        // words drained; each is dropped once, here.
+        unsafe {
+            ManuallyDrop::drop(&mut live.ctrl);
+            ManuallyDrop::drop(&mut live.flags);
+        }
+        if unmapped {
+            // SAFETY: every peer closed its mapping (the barrier) and this
+            // rank's own work on the buffer drained; it is dropped once.
+            unsafe { ManuallyDrop::drop(&mut live.recv) };
+        } else {
+            tracing::warn!(
+                rank = self.rank,
+                bytes,
+                "one-shot release: peers may still map this rank's buffer; leaking it \
+                 rather than freeing it under them"
+            );
+        }
+    }
+
+    /// Leaks this generation's one-shot buffers (shutdown, when the work
+    /// that uses them cannot be proven finished).
+    pub(super) fn one_shot_leak(&self, slot: &mut Slot) {
+        slot.one_shot.on = false;
+        self.one_shot_abort();
+        self.one_shot_flags.lock().take();
+        if let Some(live) = slot.one_shot.live.take() {
+            // Dropping `Live` frees nothing (every allocation in it is
+            // `ManuallyDrop`); the mappings of the peers' buffers stay too.
+            tracing::error!(
+                rank = self.rank,
+                bytes = live.recv.bytes(),
+                "leaking the one-shot buffers"
+            );
+            std::mem::forget(live);
+        }
+    }
+}
+
+/// Launches the one-shot kernel on `n` values at `data`.
+///
+/// # Safety
+/// `data` is device memory of the kernel's context valid for `n` bf16
+/// values until the work completes, `ctrl` the control block the set-up
+/// wrote, `stream` a live stream of that context.
+unsafe fn launch(
+    kernel: &Function,
+    ctrl: u64,
+    data: u64,
+    n: usize,
+    lane: u32,
+    stream: CUstream,
+) -> nccl_safe::Result<()> {
+    let (grid, block) = kernels::one_shot_launch_config(n as u64);
+    let (mut ctrl, mut data, mut n, mut lane) = (ctrl, data, n as u64, lane);
+    let mut params = [
+        (&mut ctrl as *mut u64).cast::<c_void>(),
+        (&mut data as *mut u64).cast::<c_void>(),
+        (&mut n as *mut u64).cast::<c_void>(),
+        (&mut lane as *mut u32).cast::<c_void>(),
+    ];
+    // SAFETY: the parameters match the kernel's signature and live through
+    // the call, which copies them; the rest is this function's contract.
+    unsafe { kernel.launch(grid, block, 0, stream, &mut params) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_follow_the_policy_within_bounds() {
+        assert_eq!(slot_bytes_for(OneShotPolicy::DEFAULT), 1 << 20);
+        assert_eq!(slot_bytes_for(OneShotPolicy::Always), 1 << 20);
+        let small = OneShotPolicy::Range {
+            min_bytes: 0,
+            max_bytes: 1000,
+        };
+        assert_eq!(slot_bytes_for(small), MIN_SLOT_BYTES);
+        let odd = OneShotPolicy::Range {
+            min_bytes: 0,
+            max_bytes: 100_001,
+        };
+        assert_eq!(slot_bytes_for(odd), 100_016);
+    }
+}

@@ -1,0 +1,528 @@
+//! The one-shot path's set-up (the steps of the parent module's docs):
+//! this rank's buffers and record, the exchanges of records and verdicts
+//! over the communicator, the mapping of every peer's buffer, and the
+//! probe that proves peer access with a real write and read.
+//!
+//! Invariants: every rank takes the same collective steps whatever its
+//! local outcome (a rank that cannot take part sends a failed record), so
+//! the exchanges always match; the verdict of every round is the same on
+//! every rank, so the path is on everywhere or nowhere.
+
+use std::mem::ManuallyDrop;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use half::bf16;
+use nccl_safe::{Context, DataType, DeviceBuffer, HostWords, IpcHandle, IpcMapping, ReduceOp};
+
+use super::{LANE_EAGER, LANE_GRAPH, Live, MAX_RANKS, PeerMem, SENTINEL, launch, slot_bytes_for};
+use crate::backend::Result;
+use crate::config::OneShotPolicy;
+use crate::error::CommError;
+use crate::kernels;
+use crate::nccl_backend::{Inner, Slot};
+
+/// Bytes of one rank's record in the set-up exchanges.
+const RECORD_BYTES: usize = 128;
+const MAGIC: u32 = 0x4f53_5231;
+/// 64-bit words of the control block (`OsCtrl`, 128 bytes).
+const CTRL_WORDS: usize = 16;
+/// Elements of the set-up probe: odd, over one block.
+const PROBE_ELEMS: usize = 4099;
+
+/// An identity of this machine (boot id and host name), to tell ranks of
+/// one node from others.
+fn host_id() -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for f in [
+        "/proc/sys/kernel/random/boot_id",
+        "/proc/sys/kernel/hostname",
+    ] {
+        for b in std::fs::read(f).unwrap_or_default() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// One rank's record: what it exports, or its verdict.
+#[derive(Clone)]
+struct Record {
+    ok: bool,
+    pid: u32,
+    host: u64,
+    device: u32,
+    recv: u64,
+    slot_bytes: u64,
+    handle: [u8; 64],
+    /// Why it failed (at most 40 bytes are exchanged).
+    why: String,
+}
+
+impl Default for Record {
+    fn default() -> Record {
+        Record {
+            ok: false,
+            pid: 0,
+            host: 0,
+            device: 0,
+            recv: 0,
+            slot_bytes: 0,
+            handle: [0; 64],
+            why: String::new(),
+        }
+    }
+}
+
+impl Record {
+    fn failed(why: impl Into<String>) -> Record {
+        Record {
+            why: why.into(),
+            ..Record::default()
+        }
+    }
+
+    fn encode(&self) -> [u8; RECORD_BYTES] {
+        let mut b = [0u8; RECORD_BYTES];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4] = u8::from(self.ok);
+        b[8..12].copy_from_slice(&self.pid.to_le_bytes());
+        b[12..16].copy_from_slice(&self.device.to_le_bytes());
+        b[16..24].copy_from_slice(&self.host.to_le_bytes());
+        b[24..32].copy_from_slice(&self.recv.to_le_bytes());
+        b[32..40].copy_from_slice(&self.slot_bytes.to_le_bytes());
+        b[40..104].copy_from_slice(&self.handle);
+        let why = self.why.as_bytes();
+        let n = why.len().min(RECORD_BYTES - 104);
+        b[104..104 + n].copy_from_slice(&why[..n]);
+        b
+    }
+
+    fn decode(b: &[u8]) -> Record {
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let u64_at = |i: usize| {
+            let mut x = [0u8; 8];
+            x.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(x)
+        };
+        if b.len() < RECORD_BYTES || u32_at(0) != MAGIC {
+            return Record::failed("no record (a rank without the one-shot set-up)");
+        }
+        let mut handle = [0u8; 64];
+        handle.copy_from_slice(&b[40..104]);
+        let why = String::from_utf8_lossy(&b[104..RECORD_BYTES])
+            .trim_end_matches('\0')
+            .to_string();
+        Record {
+            ok: b[4] == 1,
+            pid: u32_at(8),
+            device: u32_at(12),
+            host: u64_at(16),
+            recv: u64_at(24),
+            slot_bytes: u64_at(32),
+            handle,
+            why,
+        }
+    }
+}
+
+/// The summary of a round of verdicts, `Ok` when every rank succeeded.
+fn verdicts(records: &[Record]) -> std::result::Result<(), String> {
+    let bad: Vec<String> = records
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| !r.ok)
+        .map(|(rank, r)| format!("rank {rank}: {}", r.why))
+        .collect();
+    if bad.is_empty() {
+        Ok(())
+    } else {
+        Err(bad.join("; "))
+    }
+}
+
+/// The probe's input of `rank` for `round`: a (+0.0, -0.0) pair first, then
+/// small values whose sums are exact.
+fn probe_input(rank: usize, round: usize) -> Vec<bf16> {
+    (0..PROBE_ELEMS)
+        .map(|i| match i {
+            0 => bf16::from_bits(0),
+            1 => bf16::from_bits(0x8000),
+            _ => bf16::from_f32((rank + 1) as f32 * 0.25 + ((i + round) % 13) as f32 - 6.0),
+        })
+        .collect()
+}
+
+impl Inner {
+    /// Sets the path up over the slot's (new) communicator, after releasing
+    /// the previous generation's buffers (a reconnect). A rank-local
+    /// problem turns the path off on every rank; an exchange that fails or
+    /// does not complete by the init deadline fails the set-up.
+    pub(in crate::nccl_backend) fn one_shot_setup(&self, slot: &mut Slot) -> Result<()> {
+        let deadline = Instant::now() + self.config.init_timeout;
+        self.one_shot_release(slot, deadline);
+        slot.one_shot.on = false;
+        slot.one_shot.eager_stream = None;
+        let policy = self.config.one_shot;
+        let off = if policy == OneShotPolicy::Never {
+            Some("the one-shot policy is `never`".to_string())
+        } else if !(2..=MAX_RANKS).contains(&self.world_size) {
+            Some(format!(
+                "{} ranks (the one-shot path serves 2 to 8)",
+                self.world_size
+            ))
+        } else if !self.rendezvous.as_ref().is_some_and(|r| r.has_store()) {
+            Some(
+                "no rendezvous store (a split sub-communicator or a fixed unique id): \
+                 the peer buffers could not be released in order"
+                    .to_string(),
+            )
+        } else {
+            None
+        };
+        if let Some(off) = off {
+            slot.one_shot.off = off;
+            return Ok(());
+        }
+        let slot_bytes = slot_bytes_for(policy);
+        let mut mine = match self.one_shot_prepare(slot, slot_bytes) {
+            Ok((live, record)) => {
+                slot.one_shot.live = Some(live);
+                record
+            }
+            Err(why) => Record::failed(why),
+        };
+        mine.ok = mine.why.is_empty();
+        // Exchange 1: what every rank exports.
+        let records = self.one_shot_exchange(slot, &mine, deadline)?;
+        slot.one_shot.exchanged = Some(self.generation.load(Ordering::Acquire));
+        let mut verdict = match verdicts(&records) {
+            Ok(()) => self.one_shot_map(slot, &records),
+            Err(why) => Err(format!("set-up failed ({why})")),
+        };
+        // Exchange 2: whether every rank mapped every peer.
+        if records.iter().all(|r| r.ok) {
+            let round = self.one_shot_exchange(slot, &verdict_record(&verdict), deadline)?;
+            verdict = verdicts(&round).map_err(|why| format!("mapping failed ({why})"));
+            if verdict.is_ok() {
+                let probed = self.one_shot_probe(slot, deadline)?;
+                let round = self.one_shot_exchange(slot, &verdict_record(&probed), deadline)?;
+                verdict = verdicts(&round).map_err(|why| format!("the probe failed ({why})"));
+            }
+        }
+        match verdict {
+            Ok(()) => {
+                slot.one_shot.on = true;
+                slot.one_shot.off.clear();
+                let flags = slot.one_shot.live.as_ref().map(|l| Arc::clone(&l.flags));
+                *self.one_shot_flags.lock() = flags;
+                tracing::info!(
+                    rank = self.rank,
+                    world_size = self.world_size,
+                    slot_bytes,
+                    "one-shot all-reduce on: peer access proven to every rank"
+                );
+            }
+            Err(why) => {
+                tracing::warn!(
+                    rank = self.rank,
+                    world_size = self.world_size,
+                    "one-shot all-reduce off: {why}"
+                );
+                slot.one_shot.off = why;
+            }
+        }
+        Ok(())
+    }
+
+    /// Step 1: this rank's buffers and record; `Err` says why it cannot
+    /// take part.
+    fn one_shot_prepare(
+        &self,
+        slot: &mut Slot,
+        slot_bytes: usize,
+    ) -> std::result::Result<(Live, Record), String> {
+        if let Err(e) = slot.one_shot.kernel(&self.ctx) {
+            return Err(format!("the one-shot kernel does not load: {e}"));
+        }
+        let dev = self.config.device;
+        match nccl_safe::unified_addressing(dev) {
+            Ok(true) => {}
+            Ok(false) => return Err(format!("device {dev} has no unified addressing")),
+            Err(e) => return Err(format!("unified addressing: {e}")),
+        }
+        // 2 lanes x 2 halves x `world` slots, in 32-bit words.
+        let words = 2 * 2 * self.world_size * slot_bytes / 4;
+        let step = |what: &str, e: nccl_safe::Error| format!("{what}: {e}");
+        let mut recv =
+            DeviceBuffer::<u32>::alloc(&self.ctx, words).map_err(|e| step("buffer", e))?;
+        nccl_safe::fill_words(&mut recv, SENTINEL).map_err(|e| step("buffer fill", e))?;
+        let handle = nccl_safe::ipc_handle(&recv).map_err(|e| step("cuIpcGetMemHandle", e))?;
+        let ctrl = DeviceBuffer::<u64>::alloc(&self.ctx, CTRL_WORDS)
+            .map_err(|e| step("control block", e))?;
+        let flags = HostWords::alloc(&self.ctx, 2).map_err(|e| step("pinned flags", e))?;
+        let record = Record {
+            ok: true,
+            pid: std::process::id(),
+            host: host_id(),
+            device: dev as u32,
+            recv: recv.device_ptr(),
+            slot_bytes: slot_bytes as u64,
+            handle: handle.0,
+            why: String::new(),
+        };
+        let live = Live {
+            recv: ManuallyDrop::new(recv),
+            ctrl: ManuallyDrop::new(ctrl),
+            flags: ManuallyDrop::new(Arc::new(flags)),
+            peers: Vec::new(),
+            slot_bytes,
+        };
+        Ok((live, record))
+    }
+
+    /// Step 3: maps every peer's buffer and writes the control block.
+    fn one_shot_map(&self, slot: &mut Slot, records: &[Record]) -> std::result::Result<(), String> {
+        let me = &records[self.rank];
+        let live = slot.one_shot.live.as_mut().ok_or("no buffers")?;
+        let mut addrs = [0u64; 8];
+        let mut peers = Vec::with_capacity(records.len());
+        for (p, r) in records.iter().enumerate() {
+            if r.slot_bytes != me.slot_bytes {
+                return Err(format!(
+                    "rank {p} has {}-byte slots, this rank {} (the one-shot policy differs)",
+                    r.slot_bytes, me.slot_bytes
+                ));
+            }
+            if p == self.rank {
+                addrs[p] = live.recv.device_ptr();
+                peers.push(PeerMem::Own);
+                continue;
+            }
+            if r.host != me.host {
+                return Err(format!("rank {p} runs on another machine"));
+            }
+            match IpcMapping::open(&self.ctx, &IpcHandle(r.handle)) {
+                Ok(m) => {
+                    addrs[p] = m.device_ptr();
+                    peers.push(PeerMem::Ipc { _mapping: m });
+                }
+                Err(ipc) if r.pid == me.pid => {
+                    // The driver opens no handle of this very process: reach
+                    // the peer's address directly.
+                    let peer = Context::new(r.device as usize)
+                        .and_then(|c| nccl_safe::enable_peer_access(&self.ctx, &c).map(|()| c))
+                        .map_err(|e| {
+                            format!("rank {p}: cuIpcOpenMemHandle: {ipc}; peer access: {e}")
+                        })?;
+                    addrs[p] = r.recv;
+                    peers.push(PeerMem::Direct { _peer: peer });
+                }
+                Err(e) => return Err(format!("rank {p}: cuIpcOpenMemHandle: {e}")),
+            }
+        }
+        live.peers = peers;
+        let mut ctrl = [0u64; CTRL_WORDS];
+        ctrl[..8].copy_from_slice(&addrs);
+        ctrl[8] = live.flags.device_ptr();
+        let bound = self.config.collective_timeout + super::KERNEL_GRACE;
+        ctrl[9] = u64::try_from(bound.as_nanos()).unwrap_or(u64::MAX);
+        ctrl[10] = self.rank as u64 | ((self.world_size as u64) << 32);
+        ctrl[11] = live.slot_bytes as u64;
+        live.ctrl
+            .copy_from_host(&ctrl)
+            .map_err(|e| format!("control block: {e}"))
+    }
+
+    /// Step 4: both halves of both lanes, every element checked. `Err` of
+    /// the outer result: the stream stayed stuck even after the abort.
+    fn one_shot_probe(
+        &self,
+        slot: &mut Slot,
+        deadline: Instant,
+    ) -> Result<std::result::Result<(), String>> {
+        let stream = slot.stream.raw();
+        let budget = || {
+            deadline
+                .saturating_duration_since(Instant::now())
+                .min(self.config.collective_timeout)
+        };
+        let mut buf = match DeviceBuffer::<bf16>::alloc(&self.ctx, PROBE_ELEMS) {
+            Ok(b) => b,
+            Err(e) => return Ok(Err(format!("probe buffer: {e}"))),
+        };
+        let os = &slot.one_shot;
+        let (Some(live), Some(kernel)) = (os.live.as_ref(), os.kernel.as_ref()) else {
+            return Ok(Err("no buffers".into()));
+        };
+        // Every round runs even after a wrong result, so that the peers'
+        // rounds find this rank's pushes; a round that does not complete
+        // ends the probe (the abort word makes later rounds no-ops).
+        let mut first: std::result::Result<(), String> = Ok(());
+        for (round, lane) in [LANE_EAGER, LANE_EAGER, LANE_GRAPH, LANE_GRAPH]
+            .into_iter()
+            .enumerate()
+        {
+            let inputs: Vec<Vec<bf16>> = (0..self.world_size)
+                .map(|r| probe_input(r, round))
+                .collect();
+            let want = kernels::one_shot_sum(&inputs).unwrap_or_default();
+            let mut fail = |why: String| {
+                if first.is_ok() {
+                    first = Err(why);
+                }
+            };
+            if let Err(e) = buf.copy_from_host(&inputs[self.rank]) {
+                fail(format!("probe input: {e}"));
+                continue;
+            }
+            // SAFETY: the probe buffer holds PROBE_ELEMS values of this
+            // context; the control block is set up; our own stream.
+            let launched = unsafe {
+                launch(
+                    kernel,
+                    live.ctrl.device_ptr(),
+                    buf.device_ptr(),
+                    PROBE_ELEMS,
+                    lane,
+                    stream,
+                )
+            };
+            if let Err(e) = launched {
+                fail(format!("probe launch: {e}"));
+                continue;
+            }
+            if slot.stream.wait_until_idle(budget()).is_err() {
+                live.flags.store(0, 1);
+                slot.stream
+                    .wait_until_idle(self.config.collective_timeout)
+                    .map_err(|e| CommError::setup("one-shot probe (after its abort)", e))?;
+                fail(format!(
+                    "the probe (lane {lane}) did not complete: a peer's pushes never landed"
+                ));
+                break;
+            }
+            match live.flags.load(1) {
+                0 => {}
+                s => {
+                    fail(format!("the probe kernel stopped with status {s}"));
+                    break;
+                }
+            }
+            match buf.to_host_vec() {
+                Ok(got) => {
+                    if let Some(i) =
+                        (0..PROBE_ELEMS).find(|&i| got[i].to_bits() != want[i].to_bits())
+                    {
+                        fail(format!(
+                            "probe element {i} is {:#06x}, expected {:#06x} (lane {lane})",
+                            got[i].to_bits(),
+                            want[i].to_bits()
+                        ));
+                    }
+                }
+                Err(e) => fail(format!("probe result: {e}")),
+            }
+        }
+        Ok(first)
+    }
+
+    /// Every rank's record, by an all-reduce sum of bytes (each rank writes
+    /// only its own 128 bytes) on the backend's stream, waited for until
+    /// `deadline`. A failure or timeout aborts the communicator.
+    fn one_shot_exchange(
+        &self,
+        slot: &mut Slot,
+        mine: &Record,
+        deadline: Instant,
+    ) -> Result<Vec<Record>> {
+        let w = self.world_size;
+        let mut host = vec![0u8; w * RECORD_BYTES];
+        host[self.rank * RECORD_BYTES..][..RECORD_BYTES].copy_from_slice(&mine.encode());
+        let out = self
+            .one_shot_all_reduce_bytes(slot, &host, deadline)
+            .map_err(|e| {
+                self.abort_now("one-shot set-up");
+                CommError::setup("one-shot set-up exchange", e)
+            })?;
+        Ok(out.chunks(RECORD_BYTES).map(Record::decode).collect())
+    }
+
+    fn one_shot_all_reduce_bytes(
+        &self,
+        slot: &mut Slot,
+        host: &[u8],
+        deadline: Instant,
+    ) -> nccl_safe::Result<Vec<u8>> {
+        let buf = DeviceBuffer::<u8>::from_host(&self.ctx, host)?;
+        let comm = slot.comm("one-shot set-up")?;
+        let stream = slot.stream.raw();
+        // SAFETY: the buffer holds `host.len()` bytes of this context; our
+        // own stream.
+        unsafe {
+            comm.all_reduce_raw(
+                buf.device_ptr(),
+                buf.device_ptr(),
+                host.len(),
+                DataType::Uint8,
+                ReduceOp::Sum,
+                stream,
+            )?
+        };
+        slot.stream
+            .wait_until_idle(deadline.saturating_duration_since(Instant::now()))?;
+        comm.async_error()?;
+        buf.to_host_vec()
+    }
+}
+
+/// A verdict as a record.
+fn verdict_record(v: &std::result::Result<(), String>) -> Record {
+    match v {
+        Ok(()) => Record {
+            ok: true,
+            ..Record::default()
+        },
+        Err(why) => Record::failed(why.clone()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_round_trip() {
+        let r = Record {
+            ok: true,
+            pid: 42,
+            host: 7,
+            device: 3,
+            recv: 0x1000,
+            slot_bytes: 1 << 20,
+            handle: [9; 64],
+            why: "a reason".into(),
+        };
+        let d = Record::decode(&r.encode());
+        assert!(d.ok);
+        assert_eq!((d.pid, d.host, d.device, d.recv), (42, 7, 3, 0x1000));
+        assert_eq!(
+            (d.slot_bytes, d.handle, d.why.as_str()),
+            (1 << 20, [9; 64], "a reason")
+        );
+        assert!(!Record::decode(&[0u8; RECORD_BYTES]).ok);
+    }
+
+    #[test]
+    fn verdicts_name_every_failed_rank() {
+        let ok = Record {
+            ok: true,
+            ..Record::default()
+        };
+        assert!(verdicts(&[ok.clone(), ok.clone()]).is_ok());
+        let why = verdicts(&[ok, Record::failed("no peer access")]).unwrap_err();
+        assert_eq!(why, "rank 1: no peer access");
+    }
+}
