@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail, ensure};
 use half::bf16;
 use metrale_comm::{
-    AllReducePath, BackendConfig, CommBackend, CommError, FailureKind, FastPathPolicy, NcclBackend,
+    AllReducePath, BackendConfig, CommBackend, CommError, FastPathPolicy, NcclBackend,
     OneShotPolicy,
 };
 use nccl_safe::{DeviceBuffer, Stream};
@@ -311,23 +311,6 @@ pub fn streams(ctx: &RankCtx) -> anyhow::Result<()> {
     no_mapping_left(ctx, "oneshot-streams")
 }
 
-fn expect_timeout(what: &str, r: Result<(), CommError>, took: Duration) -> anyhow::Result<()> {
-    let f = match r {
-        Err(CommError::Failed(f)) | Err(CommError::Poisoned { cause: f, .. }) => f,
-        Err(e) => bail!("{what}: expected a timeout failure, got {e}"),
-        Ok(()) => bail!("{what}: completed"),
-    };
-    ensure!(
-        matches!(f.kind, FailureKind::Timeout { .. }),
-        "{what}: expected a timeout, got {f}"
-    );
-    ensure!(
-        took <= TIMEOUT + SLACK,
-        "{what}: error after {took:?}, timeout {TIMEOUT:?}"
-    );
-    Ok(())
-}
-
 /// The last rank never arrives at a one-shot all-reduce: eagerly, the
 /// others' watchdogs time it out and their abort ends the kernels;
 /// captured, the kernels' own bound ends them and the watchdog poisons on
@@ -379,10 +362,10 @@ pub fn stuck_rank(ctx: &RankCtx) -> anyhow::Result<()> {
                     Some(f) => Err(CommError::Failed(f)),
                     None => Ok(()),
                 };
-                expect_timeout("captured stuck one-shot", r, t.elapsed())?;
+                super::reliability::expect_timeout("captured stuck one-shot", r, t.elapsed())?;
             } else {
                 let r = b.all_reduce(buf.view_mut()).and_then(|()| b.synchronize());
-                expect_timeout("eager stuck one-shot", r, t.elapsed())?;
+                super::reliability::expect_timeout("eager stuck one-shot", r, t.elapsed())?;
             }
             ensure!(!b.is_healthy(), "healthy after a rank never arrived");
             ctx.set(&format!("{key}/seen/{}", ctx.rank), b"1")?;
