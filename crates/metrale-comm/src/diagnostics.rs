@@ -165,7 +165,8 @@ impl Default for FlightRecorder {
     }
 }
 
-fn now_unix_us() -> u64 {
+/// Microseconds since the Unix epoch, now.
+pub(crate) fn now_unix_us() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
@@ -199,7 +200,21 @@ impl FlightRecorder {
         stream: u64,
         peer: Option<usize>,
     ) -> u64 {
-        let enqueued_unix_us = now_unix_us();
+        self.record_at(op, dtype, bytes, stream, peer, now_unix_us())
+    }
+
+    /// [`FlightRecorder::record`] with the enqueue time given, in
+    /// microseconds since the Unix epoch (a caller that already read a
+    /// clock for the submission).
+    pub fn record_at(
+        &self,
+        op: &'static str,
+        dtype: &'static str,
+        bytes: usize,
+        stream: u64,
+        peer: Option<usize>,
+        enqueued_unix_us: u64,
+    ) -> u64 {
         let mut ring = self.ring.lock();
         ring.last_seq += 1;
         let seq = ring.last_seq;

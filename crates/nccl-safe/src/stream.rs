@@ -144,10 +144,21 @@ impl Stream {
 
     /// True while the stream is capturing into a graph.
     pub fn is_capturing(&self) -> Result<bool> {
-        self.ctx.make_current()?;
+        // SAFETY: the stream is live and of `self.ctx`.
+        unsafe { Stream::is_capturing_raw(&self.ctx, self.raw) }
+    }
+
+    /// [`Stream::is_capturing`] for a raw stream, without a wrapper (a
+    /// submission path asks this of every caller stream).
+    ///
+    /// # Safety
+    /// `raw` is a live stream of `ctx` (or null, the legacy default stream).
+    pub unsafe fn is_capturing_raw(ctx: &Context, raw: CUstream) -> Result<bool> {
+        ctx.make_current()?;
         let mut status = CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: writes one status through a valid pointer; the stream is live.
-        unsafe { cu!(cuStreamIsCapturing(self.raw, &mut status)) }?;
+        // SAFETY: writes one status through a valid pointer; the stream is
+        // live (this function's contract).
+        unsafe { cu!(cuStreamIsCapturing(raw, &mut status)) }?;
         Ok(status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 

@@ -128,7 +128,7 @@ impl NcclBackend {
             .comm(OP)
             .map_err(|source| CommError::Refused { op: OP, source })?;
         let seq = inner.recorder.record(OP, "-", 0, 0, None);
-        let child = inner.in_nccl(seq, || comm.split(color, key));
+        let child = inner.in_nccl(seq, inner.since_born_us(), || comm.split(color, key));
         drop(slot);
         let child = match child {
             Ok(Some(child)) => child,
@@ -206,8 +206,11 @@ impl NcclBackend {
         if slot.group.take().is_some() {
             inner.group_closed.notify_all();
         }
-        inner.watched.lock().clear();
-        inner.event_pool.lock().clear();
+        {
+            let mut watched = inner.watched.lock();
+            watched.clear();
+            watched.clear_pool();
+        }
         if let Err(e) = inner.connect(&mut slot, next) {
             drop(slot);
             // No communicator is left: make every later call say why.

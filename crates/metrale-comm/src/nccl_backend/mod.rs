@@ -19,12 +19,13 @@
 //!   and the asynchronous-error query, through nccl-safe's `AbortHandle`,
 //!   which NCCL allows from another thread and which never touches a
 //!   destroyed communicator.
-//! - Lock order: `slot`, then `watched`, then `event_pool`; `abort`,
-//!   `one_shot_flags` and `idle_pending` are leaves (held for a copy, a
-//!   load or a swap, never across
-//!   another lock). The watchdog never takes `slot`, and holds `watched`
-//!   only to copy or pop a queue's front, never across a driver call; the
-//!   call a blocking communicator is inside is published in two atomics.
+//! - Lock order: `slot`, then `watched` (which also holds the event pool);
+//!   `abort`, `one_shot_flags` and `idle_pending` are leaves (held for a
+//!   copy, a load or a swap, never across another lock). The watchdog never
+//!   takes `slot`, and holds `watched` only to copy or pop a queue's front,
+//!   never across a driver call (a submitter holds it across one
+//!   `cuEventRecord`); the call a blocking communicator is inside is
+//!   published in two atomics.
 //! - Every submission is health-checked, recorded in the flight recorder,
 //!   and (unless captured into a CUDA graph or grouped) watched: a
 //!   completion event goes to the watchdog, which poisons and aborts on a
@@ -121,7 +122,6 @@ struct Inner {
     health: Health,
     recorder: FlightRecorder,
     watched: Mutex<WatchQueues>,
-    event_pool: Mutex<Vec<Arc<Event>>>,
     generation: AtomicU64,
     /// The sequence number of the submission now inside an NCCL call on a
     /// blocking communicator (0: none), for the watchdog: such a call has no
@@ -131,6 +131,9 @@ struct Inner {
     in_call_since_us: AtomicU64,
     /// When the backend was made: the origin of `in_call_since_us`.
     born: std::time::Instant,
+    /// `born` as microseconds since the Unix epoch: submissions stamp the
+    /// flight recorder from the one monotonic clock read they make.
+    born_unix_us: u64,
     /// The one-shot path's host-pinned abort and status words while it is
     /// on: kept outside `slot` so that the watchdog reads the status and
     /// `poison` sets the abort without it.
@@ -352,11 +355,11 @@ impl Inner {
             abort: Mutex::new(None),
             health: Health::new(),
             watched: Mutex::new(WatchQueues::default()),
-            event_pool: Mutex::new(Vec::new()),
             generation: AtomicU64::new(0),
             in_call_seq: AtomicU64::new(0),
             in_call_since_us: AtomicU64::new(0),
             born: std::time::Instant::now(),
+            born_unix_us: crate::diagnostics::now_unix_us(),
             one_shot_flags: Mutex::new(None),
             idle_pending: Mutex::new(None),
         }))

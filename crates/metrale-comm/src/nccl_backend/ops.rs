@@ -60,24 +60,25 @@ impl NcclBackend {
             bytes: s.bytes(),
             peer: Some(root),
         };
-        let (_, ticket) = inner.submit(info, StreamSel::Own, idle, |_, slot, stream, _| {
-            let comm = slot
-                .comm
-                .as_mut()
-                .ok_or(nccl_safe::Error::Aborted { call: op })?;
-            // An idle receive waits for the root with no deadline, also
-            // while NCCL connects to it; shutdown or a failure aborts the
-            // communicator, which ends the wait.
-            let saved = comm.enqueue_deadline();
-            if idle {
-                comm.set_enqueue_deadline(None);
-            }
-            // SAFETY: the view is valid for `len` elements of its type (its
-            // contract); our stream.
-            let r = unsafe { comm.broadcast_raw(s.ptr, s.ptr, s.len, s.dtype, root, stream) };
-            comm.set_enqueue_deadline(saved);
-            r
-        })?;
+        let (_, ticket) =
+            inner.submit_waited(info, StreamSel::Own, idle, |_, slot, stream, _| {
+                let comm = slot
+                    .comm
+                    .as_mut()
+                    .ok_or(nccl_safe::Error::Aborted { call: op })?;
+                // An idle receive waits for the root with no deadline, also
+                // while NCCL connects to it; shutdown or a failure aborts the
+                // communicator, which ends the wait.
+                let saved = comm.enqueue_deadline();
+                if idle {
+                    comm.set_enqueue_deadline(None);
+                }
+                // SAFETY: the view is valid for `len` elements of its type (its
+                // contract); our stream.
+                let r = unsafe { comm.broadcast_raw(s.ptr, s.ptr, s.len, s.dtype, root, stream) };
+                comm.set_enqueue_deadline(saved);
+                r
+            })?;
         let Some(ticket) = ticket else { return Ok(()) };
         if idle {
             *inner.idle_pending.lock() = Some(ticket.event.clone());
@@ -428,7 +429,7 @@ impl CommBackend for NcclBackend {
             bytes: 4,
             peer: None,
         };
-        let (_, ticket) = inner.submit(info, StreamSel::Own, false, |_, slot, st, _| {
+        let (_, ticket) = inner.submit_waited(info, StreamSel::Own, false, |_, slot, st, _| {
             let comm = slot.comm(OP)?;
             let p = slot.barrier_elem.device_ptr();
             // SAFETY: one f32 of our own buffer; our stream.
@@ -556,7 +557,7 @@ impl CommBackend for NcclBackend {
             .unwrap_or_else(|| inner.recorder.last_seq());
         // The outermost group end launches the group's work (and on a
         // blocking communicator may wait there for a peer's connection).
-        let ended = inner.in_nccl(first, || nccl_group_call(OP, false));
+        let ended = inner.in_nccl(first, inner.since_born_us(), || nccl_group_call(OP, false));
         if !outermost {
             return ended;
         }

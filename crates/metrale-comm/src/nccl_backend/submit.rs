@@ -6,6 +6,9 @@
 //! - A refused call (bad arguments, seen by NCCL or the driver before
 //!   anything is enqueued) never poisons; any other failure of an enqueue
 //!   poisons with that submission's op and sequence number.
+//! - The path's host cost is constant: one clock read, each lock once, no
+//!   allocation once the event pool is warm, and no driver call besides the
+//!   capture query (callers' streams), the enqueue and one `cuEventRecord`.
 //! - A waiter returns `Ok` only after `confirm`: the event completed, the
 //!   communicator it ran on reports no asynchronous error, was not aborted,
 //!   is still the current generation, and no one-shot kernel recorded a
@@ -13,7 +16,7 @@
 //! - Only the thread that opened a group submits while it is open; other
 //!   threads wait on `group_closed` (bounded by the collective timeout).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::thread::ThreadId;
@@ -50,49 +53,88 @@ pub(super) struct Watched {
     pub(super) deadline: Option<Instant>,
 }
 
-/// The watched submissions, one queue per stream in submission order.
+/// The watched submissions, one queue per stream in submission order, and
+/// the pool of completion events for reuse (one lock for both: a
+/// submission takes its event and pushes its watch under one acquisition).
 /// Work on one stream completes in order, so only a queue's front needs
 /// asking: the watchdog's work per tick is one query per stream plus one
-/// per completion, whatever the number in flight.
+/// per completion, whatever the number in flight. A handful of streams is
+/// the usual case, so the queues are a vector searched from the most
+/// recently used one (no hashing on the submission path).
 #[derive(Default)]
 pub(super) struct WatchQueues {
-    queues: HashMap<usize, VecDeque<Watched>>,
+    queues: Vec<(usize, VecDeque<Watched>)>,
+    pool: Vec<Arc<Event>>,
 }
 
 impl WatchQueues {
+    fn position(&self, stream: usize) -> Option<usize> {
+        self.queues.iter().rposition(|(s, _)| *s == stream)
+    }
+
+    fn queue(&self, stream: usize) -> Option<&VecDeque<Watched>> {
+        self.position(stream).map(|i| &self.queues[i].1)
+    }
+
     pub(super) fn push(&mut self, stream: CUstream, w: Watched) {
-        self.queues.entry(stream as usize).or_default().push_back(w);
+        let key = stream as usize;
+        match self.position(key) {
+            Some(i) => self.queues[i].1.push_back(w),
+            None => self.queues.push((key, VecDeque::from([w]))),
+        }
+    }
+
+    /// A pooled completion event, if any is left.
+    pub(super) fn pooled_event(&mut self) -> Option<Arc<Event>> {
+        self.pool.pop()
+    }
+
+    /// Returns finished events to the pool (those nothing else holds, up to
+    /// the pool's cap).
+    pub(super) fn recycle(&mut self, events: impl IntoIterator<Item = Arc<Event>>) {
+        for ev in events {
+            if Arc::strong_count(&ev) == 1 && self.pool.len() < EVENT_POOL_CAP {
+                self.pool.push(ev);
+            }
+        }
+    }
+
+    /// Drops every pooled event (their communicator's context stays; a
+    /// reconnect starts with a fresh pool).
+    pub(super) fn clear_pool(&mut self) {
+        self.pool.clear();
     }
 
     /// The streams with watched work.
     pub(super) fn streams(&self) -> Vec<usize> {
-        self.queues.keys().copied().collect()
+        self.queues.iter().map(|(s, _)| *s).collect()
     }
 
     /// The number of watched submissions on `stream`.
     pub(super) fn len_of(&self, stream: usize) -> usize {
-        self.queues.get(&stream).map_or(0, VecDeque::len)
+        self.queue(stream).map_or(0, VecDeque::len)
     }
 
     /// The `i`-th oldest watched submission on `stream`.
     pub(super) fn get(&self, stream: usize, i: usize) -> Option<Watched> {
-        self.queues.get(&stream).and_then(|q| q.get(i).cloned())
+        self.queue(stream).and_then(|q| q.get(i).cloned())
     }
 
     /// Removes and returns the `k` oldest submissions of `stream` if the
     /// oldest is `seq` (nothing else removes from a queue's front); drops
     /// empty queues.
     pub(super) fn take_front(&mut self, stream: usize, seq: u64, k: usize) -> Vec<Watched> {
-        let Some(q) = self.queues.get_mut(&stream) else {
+        let Some(i) = self.position(stream) else {
             return Vec::new();
         };
+        let q = &mut self.queues[i].1;
         let taken = if q.front().is_some_and(|w| w.seq == seq) {
             q.drain(..k.min(q.len())).collect()
         } else {
             Vec::new()
         };
         if q.is_empty() {
-            self.queues.remove(&stream);
+            self.queues.swap_remove(i);
         }
         taken
     }
@@ -100,16 +142,15 @@ impl WatchQueues {
     /// The first submission on `stream` that has a deadline (the front,
     /// unless an idle command receive is ahead of it).
     pub(super) fn first_with_deadline(&self, stream: usize) -> Option<Watched> {
-        self.queues
-            .get(&stream)
+        self.queue(stream)
             .and_then(|q| q.iter().find(|w| w.deadline.is_some()).cloned())
     }
 
     /// Every watched submission's event.
     pub(super) fn events(&self) -> Vec<Arc<Event>> {
         self.queues
-            .values()
-            .flatten()
+            .iter()
+            .flat_map(|(_, q)| q)
             .map(|w| w.event.clone())
             .collect()
     }
@@ -117,13 +158,14 @@ impl WatchQueues {
     /// The oldest watched submission of `generation` that has a deadline.
     pub(super) fn oldest_with_deadline(&self, generation: u64) -> Option<(&'static str, u64)> {
         self.queues
-            .values()
-            .flatten()
+            .iter()
+            .flat_map(|(_, q)| q)
             .filter(|w| w.generation == generation && w.deadline.is_some())
             .min_by_key(|w| w.seq)
             .map(|w| (w.op, w.seq))
     }
 
+    /// Forgets every watched submission (the pool stays).
     pub(super) fn clear(&mut self) {
         self.queues.clear();
     }
@@ -131,15 +173,15 @@ impl WatchQueues {
     /// The newest watched event of each stream.
     pub(super) fn newest_events(&self) -> Vec<Arc<Event>> {
         self.queues
-            .values()
-            .filter_map(|q| q.back().map(|w| w.event.clone()))
+            .iter()
+            .filter_map(|(_, q)| q.back().map(|w| w.event.clone()))
             .collect()
     }
 
     /// The number of watched submissions.
     #[cfg(feature = "bench-internals")]
     pub(super) fn len(&self) -> usize {
-        self.queues.values().map(VecDeque::len).sum()
+        self.queues.iter().map(|(_, q)| q.len()).sum()
     }
 }
 
@@ -320,9 +362,13 @@ impl Inner {
     }
 
     pub(super) fn take_event(&self) -> Result<Arc<Event>> {
-        if let Some(ev) = self.event_pool.lock().pop() {
+        if let Some(ev) = self.watched.lock().pooled_event() {
             return Ok(ev);
         }
+        self.new_event()
+    }
+
+    fn new_event(&self) -> Result<Arc<Event>> {
         Event::new(&self.ctx, false)
             .map(Arc::new)
             .map_err(|source| CommError::Refused {
@@ -333,16 +379,14 @@ impl Inner {
 
     /// Returns finished events to the pool.
     pub(super) fn recycle(&self, events: impl IntoIterator<Item = Arc<Event>>) {
-        let mut pool = self.event_pool.lock();
-        for ev in events {
-            if Arc::strong_count(&ev) == 1 && pool.len() < EVENT_POOL_CAP {
-                pool.push(ev);
-            }
-        }
+        self.watched.lock().recycle(events);
     }
 
     /// Records a completion event for `seq` on `stream` and hands it to the
-    /// watchdog. `deadline: None` is an idle wait (no timeout).
+    /// watchdog. `deadline: None` is an idle wait (no timeout). A pooled
+    /// event is taken, recorded and watched under one acquisition of the
+    /// `watched` lock (the watchdog holds that lock only to copy or pop,
+    /// never across a driver call, so it waits at most one record).
     pub(super) fn watch(
         &self,
         seq: u64,
@@ -350,13 +394,25 @@ impl Inner {
         stream: CUstream,
         deadline: Option<Instant>,
     ) -> Result<Arc<Event>> {
-        let event = self.take_event()?;
+        let mut watched = self.watched.lock();
+        let event = match watched.pooled_event() {
+            Some(ev) => ev,
+            None => {
+                // Creating an event is slow: not under the lock.
+                drop(watched);
+                let ev = self.new_event()?;
+                watched = self.watched.lock();
+                ev
+            }
+        };
         // SAFETY: `stream` is the backend's own stream or one the caller
         // vouched for (a `StreamRef`), of this context.
         if let Err(e) = unsafe { event.record_raw(stream) } {
+            watched.recycle([event]);
+            drop(watched);
             return Err(self.fail(op, seq, e));
         }
-        self.watched.lock().push(
+        watched.push(
             stream,
             Watched {
                 seq,
@@ -369,15 +425,47 @@ impl Inner {
         Ok(event)
     }
 
-    /// Submits one operation: health check, flight-recorder entry, the
-    /// enqueue under the slot lock, then the watch. Returns the sequence
-    /// number and, unless the work was captured or grouped, its ticket.
-    /// `idle`: no deadline (a command receive).
+    /// Submits one operation that no thread waits for by ticket (its
+    /// completion is watched, and seen by `synchronize`); returns its
+    /// sequence number. See [`Inner::submit_waited`].
     pub(super) fn submit(
         &self,
         info: OpInfo,
         stream: StreamSel,
         idle: bool,
+        enqueue: impl FnOnce(&Inner, &mut Slot, CUstream, bool) -> nccl_safe::Result<()>,
+    ) -> Result<u64> {
+        self.submit_inner(info, stream, idle, false, enqueue)
+            .map(|(seq, _)| seq)
+    }
+
+    /// Submits one operation: health check, flight-recorder entry, the
+    /// enqueue under the slot lock, then the watch. Returns the sequence
+    /// number and, unless the work was captured or grouped, its ticket.
+    /// `idle`: no deadline (a command receive).
+    pub(super) fn submit_waited(
+        &self,
+        info: OpInfo,
+        stream: StreamSel,
+        idle: bool,
+        enqueue: impl FnOnce(&Inner, &mut Slot, CUstream, bool) -> nccl_safe::Result<()>,
+    ) -> Result<(u64, Option<Ticket>)> {
+        self.submit_inner(info, stream, idle, true, enqueue)
+    }
+
+    /// The submission path. Its host cost is a constant: one clock read
+    /// (the recorder's time, the deadline and the blocking call's start all
+    /// come from it), the slot, recorder and `watched` locks once each, the
+    /// capture query on callers' streams, the enqueue and one
+    /// `cuEventRecord`. Asynchronous errors are not asked for here: the
+    /// watchdog asks every tick and every wait confirms through its ticket,
+    /// so no completion is reported on a failed communicator.
+    fn submit_inner(
+        &self,
+        info: OpInfo,
+        stream: StreamSel,
+        idle: bool,
+        want_ticket: bool,
         enqueue: impl FnOnce(&Inner, &mut Slot, CUstream, bool) -> nccl_safe::Result<()>,
     ) -> Result<(u64, Option<Ticket>)> {
         let op = info.op;
@@ -397,14 +485,19 @@ impl Inner {
             StreamSel::Caller(s) => self.is_capturing(s, op)?,
             _ => false,
         };
-        let seq = self.recorder.record(
+        let now = Instant::now();
+        let since_born_us = now.saturating_duration_since(self.born).as_micros() as u64;
+        let seq = self.recorder.record_at(
             op,
             info.dtype.name(),
             info.bytes,
             raw_stream as u64,
             info.peer,
+            self.born_unix_us + since_born_us,
         );
-        let enqueued = self.in_nccl(seq, || enqueue(self, &mut slot, raw_stream, capturing));
+        let enqueued = self.in_nccl(seq, since_born_us, || {
+            enqueue(self, &mut slot, raw_stream, capturing)
+        });
         if let Err(e) = enqueued {
             if is_refusal(&e) {
                 self.recorder.set_state(seq, OpState::Failed);
@@ -418,26 +511,12 @@ impl Inner {
             drop(slot);
             return Err(self.fail(op, seq, e));
         }
-        // The communicator's asynchronous error after every submission (not
-        // under capture: the capturing thread may not touch other streams'
-        // state through NCCL).
-        if !capturing
-            && let Some(comm) = slot.comm.as_ref()
-            && let Err(e) = comm.async_error()
-        {
-            drop(slot);
-            return Err(CommError::Failed(self.poison(
-                op,
-                seq,
-                FailureKind::AsyncError(e),
-            )));
-        }
         if capturing {
             // Captured work runs at graph launch; it is not watched.
             self.recorder.set_state(seq, OpState::Completed);
             return Ok((seq, None));
         }
-        if self.in_group(&slot) {
+        if slot.group.is_some() && self.in_group(&slot) {
             if let Some(g) = slot.group.as_mut() {
                 g.watch.push(GroupedOp {
                     seq,
@@ -447,16 +526,21 @@ impl Inner {
             }
             return Ok((seq, None));
         }
-        let Some(comm) = slot.comm.as_ref().map(Comm::abort_handle) else {
-            return Err(CommError::Shutdown { op });
+        let comm = if want_ticket {
+            match slot.comm.as_ref().map(Comm::abort_handle) {
+                Some(c) => Some(c),
+                None => return Err(CommError::Shutdown { op }),
+            }
+        } else {
+            None
         };
         let generation = self.generation.load(Ordering::Acquire);
         drop(slot);
-        let deadline = (!idle).then(|| Instant::now() + self.config.collective_timeout);
+        let deadline = (!idle).then(|| now + self.config.collective_timeout);
         let event = self.watch(seq, op, raw_stream, deadline)?;
         Ok((
             seq,
-            Some(Ticket {
+            comm.map(|comm| Ticket {
                 seq,
                 event,
                 generation,
@@ -467,14 +551,20 @@ impl Inner {
 
     /// Runs `f`, which calls NCCL for submission `seq`; on a blocking
     /// communicator the watchdog sees the call while it runs.
-    pub(super) fn in_nccl<T>(&self, seq: u64, f: impl FnOnce() -> T) -> T {
+    /// Microseconds since `born`.
+    pub(super) fn since_born_us(&self) -> u64 {
+        self.born.elapsed().as_micros() as u64
+    }
+
+    /// `since_born_us`: the call's start, in microseconds after `born`.
+    pub(super) fn in_nccl<T>(&self, seq: u64, since_born_us: u64, f: impl FnOnce() -> T) -> T {
         if self.config.enqueue != EnqueueMode::Blocking {
             return f();
         }
         // Two atomics, no lock: the watchdog reads the sequence number, then
         // the start; the op is named from the flight recorder by `seq`.
         self.in_call_since_us
-            .store(self.born.elapsed().as_micros() as u64, Ordering::Release);
+            .store(since_born_us, Ordering::Release);
         self.in_call_seq.store(seq, Ordering::Release);
         let out = f();
         self.in_call_seq.store(0, Ordering::Release);
@@ -483,9 +573,8 @@ impl Inner {
 
     pub(super) fn is_capturing(&self, stream: CUstream, op: &'static str) -> Result<bool> {
         // SAFETY: `stream` came from a `StreamRef`, a live stream of this
-        // context; the borrowed wrapper does not destroy it.
-        let s = unsafe { Stream::borrowed(&self.ctx, stream) };
-        s.is_capturing()
+        // context.
+        unsafe { Stream::is_capturing_raw(&self.ctx, stream) }
             .map_err(|source| CommError::Refused { op, source })
     }
 
