@@ -67,10 +67,48 @@ pub const ONE_SHOT_BLOCK: u32 = 512;
 /// are 8 of an H200's 132 SMs' worth of threads.
 pub const ONE_SHOT_MAX_GRID: u32 = 32;
 
+/// The word every 32-bit word of a one-shot receive buffer holds outside a
+/// call (the bf16 pair (+0.0, -0.0)): "not arrived".
+pub const ONE_SHOT_SENTINEL: u32 = 0x8000_0000;
+
+/// The 64-bit words of a one-shot control block (128 bytes).
+pub const ONE_SHOT_CTRL_WORDS: usize = 16;
+
+/// The 32-bit words of one rank's one-shot receive buffer: 2 lanes x 2
+/// halves x `world` slots of `slot_bytes` (a multiple of 16).
+pub fn one_shot_recv_words(world: usize, slot_bytes: usize) -> usize {
+    2 * 2 * world * slot_bytes / 4
+}
+
+/// The control block of rank `rank` of `peers.len()` (2 to 8), as the host
+/// writes it before the first call (the layout `bf16_one_shot.cu`'s
+/// `OsCtrl` declares; its two lanes start free at epoch 0): `peers[p]` is
+/// rank `p`'s receive buffer as mapped on this rank, `flags` the device
+/// address of two host-pinned `u32` words (abort, status), `timeout_ns` how
+/// long a thread may spin. `None` for a world outside 2 to 8.
+pub fn one_shot_ctrl(
+    peers: &[u64],
+    flags: u64,
+    timeout_ns: u64,
+    rank: usize,
+    slot_bytes: usize,
+) -> Option<[u64; ONE_SHOT_CTRL_WORDS]> {
+    if !(2..=8).contains(&peers.len()) || rank >= peers.len() {
+        return None;
+    }
+    let mut ctrl = [0u64; ONE_SHOT_CTRL_WORDS];
+    ctrl[..peers.len()].copy_from_slice(peers);
+    ctrl[8] = flags;
+    ctrl[9] = timeout_ns;
+    ctrl[10] = rank as u64 | ((peers.len() as u64) << 32);
+    ctrl[11] = slot_bytes as u64;
+    Some(ctrl)
+}
+
 /// Grid and block for a one-shot call of `n` values: one thread per 8
 /// values, [`ONE_SHOT_BLOCK`] threads per block, 1 to
 /// [`ONE_SHOT_MAX_GRID`] blocks.
-pub(crate) fn one_shot_launch_config(n: u64) -> ((u32, u32, u32), (u32, u32, u32)) {
+pub fn one_shot_launch_config(n: u64) -> ((u32, u32, u32), (u32, u32, u32)) {
     let blocks = n
         .div_ceil(VALUES_PER_LOAD)
         .div_ceil(u64::from(ONE_SHOT_BLOCK))

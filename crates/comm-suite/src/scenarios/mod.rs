@@ -8,6 +8,7 @@ pub mod backend;
 pub mod fuzz;
 pub mod integrity;
 pub mod oneshot;
+pub mod oneshot_kernel;
 pub mod reliability;
 pub mod safe;
 pub mod scale;
@@ -218,6 +219,15 @@ pub fn all() -> Vec<Scenario> {
             &[2, 4, 8],
             Nothing,
             oneshot::stuck_rank,
+        ),
+        s(
+            "oneshot_kernel_one_device",
+            "the one-shot kernel with 2/4/8 ranks simulated on one device: sizes, graph lane, timeout, abort",
+            1,
+            Some(1),
+            &[1],
+            Nothing,
+            oneshot_kernel::kernel_one_device,
         ),
         s(
             "rel_skipped_collective",

@@ -82,7 +82,7 @@ const MAX_SLOT_BYTES: usize = 1 << 20;
 /// The smallest slot.
 const MIN_SLOT_BYTES: usize = 4 << 10;
 /// The sentinel filling every free slot word.
-const SENTINEL: u32 = 0x8000_0000;
+const SENTINEL: u32 = kernels::ONE_SHOT_SENTINEL;
 /// Kernel statuses (the `.cu` file's `OS_STATUS_*`).
 const STATUS_TIMEOUT: u32 = 1;
 const STATUS_ABORTED: u32 = 2;

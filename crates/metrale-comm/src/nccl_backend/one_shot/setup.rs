@@ -27,7 +27,6 @@ use crate::nccl_backend::{Inner, Slot};
 const RECORD_BYTES: usize = 128;
 const MAGIC: u32 = 0x4f53_5231;
 /// 64-bit words of the control block (`OsCtrl`, 128 bytes).
-const CTRL_WORDS: usize = 16;
 /// Elements of the set-up probe: odd, over one block.
 const PROBE_ELEMS: usize = 4099;
 
@@ -253,14 +252,13 @@ impl Inner {
             Ok(false) => return Err(format!("device {dev} has no unified addressing")),
             Err(e) => return Err(format!("unified addressing: {e}")),
         }
-        // 2 lanes x 2 halves x `world` slots, in 32-bit words.
-        let words = 2 * 2 * self.world_size * slot_bytes / 4;
+        let words = kernels::one_shot_recv_words(self.world_size, slot_bytes);
         let step = |what: &str, e: nccl_safe::Error| format!("{what}: {e}");
         let mut recv =
             DeviceBuffer::<u32>::alloc(&self.ctx, words).map_err(|e| step("buffer", e))?;
         nccl_safe::fill_words(&mut recv, SENTINEL).map_err(|e| step("buffer fill", e))?;
         let handle = nccl_safe::ipc_handle(&recv).map_err(|e| step("cuIpcGetMemHandle", e))?;
-        let ctrl = DeviceBuffer::<u64>::alloc(&self.ctx, CTRL_WORDS)
+        let ctrl = DeviceBuffer::<u64>::alloc(&self.ctx, kernels::ONE_SHOT_CTRL_WORDS)
             .map_err(|e| step("control block", e))?;
         let flags = HostWords::alloc(&self.ctx, 2).map_err(|e| step("pinned flags", e))?;
         let record = Record {
@@ -324,13 +322,15 @@ impl Inner {
             }
         }
         live.peers = peers;
-        let mut ctrl = [0u64; CTRL_WORDS];
-        ctrl[..8].copy_from_slice(&addrs);
-        ctrl[8] = live.flags.device_ptr();
         let bound = self.config.collective_timeout + super::KERNEL_GRACE;
-        ctrl[9] = u64::try_from(bound.as_nanos()).unwrap_or(u64::MAX);
-        ctrl[10] = self.rank as u64 | ((self.world_size as u64) << 32);
-        ctrl[11] = live.slot_bytes as u64;
+        let ctrl = kernels::one_shot_ctrl(
+            &addrs[..records.len()],
+            live.flags.device_ptr(),
+            u64::try_from(bound.as_nanos()).unwrap_or(u64::MAX),
+            self.rank,
+            live.slot_bytes,
+        )
+        .ok_or("a world outside 2 to 8 ranks")?;
         live.ctrl
             .copy_from_host(&ctrl)
             .map_err(|e| format!("control block: {e}"))
