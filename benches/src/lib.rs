@@ -174,14 +174,16 @@ impl Timing {
     }
 }
 
-/// One size of the all-reduce path comparison.
+/// One size of the all-reduce path comparison: NCCL against one other path
+/// (the fast path or the one-shot path).
 #[derive(Debug, Clone)]
 pub struct PathPoint {
     /// Payload bytes.
     pub bytes: usize,
     /// NCCL's all-reduce.
     pub nccl: Timing,
-    /// The fast path: grouped send/recv plus the bf16 add.
+    /// The other path: the fast path (grouped send/recv plus the bf16 add)
+    /// or the one-shot path.
     pub fast: Timing,
 }
 
@@ -270,13 +272,36 @@ pub fn human_bytes(b: usize) -> String {
     format!("{b} B")
 }
 
-/// The crossover summary of one all-reduce path sweep: the sizes where the
-/// fast path wins beyond the noise and the recommended policy.
-pub fn crossover_summary(mode: &str, points: &[PathPoint]) -> String {
+/// Which path a crossover is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PathKind {
+    /// The 2-rank send/recv + add path (`METRALE_COMM_FAST_PATH`).
+    Fast,
+    /// The one-shot path (`METRALE_COMM_ONE_SHOT`).
+    OneShot,
+}
+
+impl PathKind {
+    fn words(self) -> (&'static str, &'static str, &'static str) {
+        match self {
+            PathKind::Fast => ("the fast path", "METRALE_COMM_FAST_PATH", "FastPathPolicy"),
+            PathKind::OneShot => (
+                "the one-shot path",
+                "METRALE_COMM_ONE_SHOT",
+                "OneShotPolicy",
+            ),
+        }
+    }
+}
+
+/// The crossover summary of one all-reduce path sweep: the sizes where
+/// `path` wins beyond the noise and the recommended policy.
+pub fn crossover_summary(mode: &str, path: PathKind, points: &[PathPoint]) -> String {
+    let (name, env, ty) = path.words();
     let c = Crossover::from_points(points);
     let sizes: Vec<String> = c.winning_sizes.iter().map(|b| human_bytes(*b)).collect();
     let mut s = format!(
-        "- {mode}: the fast path beats NCCL beyond the noise at {}\n",
+        "- {mode}: {name} beats NCCL beyond the noise at {}\n",
         if sizes.is_empty() {
             "no size".to_owned()
         } else {
@@ -284,12 +309,11 @@ pub fn crossover_summary(mode: &str, points: &[PathPoint]) -> String {
         }
     );
     s.push_str(&format!(
-        "  recommended: `METRALE_COMM_FAST_PATH={}`{}\n",
+        "  recommended: `{env}={}`{}\n",
         c.policy_string(),
         match c.range {
-            Some((lo, hi)) =>
-                format!(" (FastPathPolicy::Range {{ min_bytes: {lo}, max_bytes: {hi} }})"),
-            None => " (FastPathPolicy::Never)".to_owned(),
+            Some((lo, hi)) => format!(" ({ty}::Range {{ min_bytes: {lo}, max_bytes: {hi} }})"),
+            None => format!(" ({ty}::Never)"),
         }
     ));
     s
@@ -386,8 +410,12 @@ mod tests {
         let none = Crossover::from_points(&[point(8, 5.0, 6.0)]);
         assert_eq!(none.range, None);
         assert_eq!(none.policy_string(), "never");
-        let s = crossover_summary("eager", &pts);
+        let s = crossover_summary("eager", PathKind::Fast, &pts);
         assert!(s.contains("METRALE_COMM_FAST_PATH=1M-16M"), "{s}");
+        let s = crossover_summary("graph", PathKind::OneShot, &pts);
+        assert!(s.contains("one-shot path beats NCCL"), "{s}");
+        assert!(s.contains("METRALE_COMM_ONE_SHOT=1M-16M"), "{s}");
+        assert!(s.contains("OneShotPolicy::Range"), "{s}");
         assert!(s.contains("1 MiB, 4 MiB, 16 MiB, 256 MiB"), "{s}");
     }
 

@@ -25,7 +25,7 @@ use anyhow::{Context as _, bail};
 use serde::{Deserialize, Serialize};
 
 use crate::collectives::plan::Op;
-use crate::{PathPoint, Timing, algbw_gbs, busbw_gbs, crossover_summary, human_bytes};
+use crate::{PathKind, PathPoint, Timing, algbw_gbs, busbw_gbs, crossover_summary, human_bytes};
 
 /// The file, in criterion's directory, that says what the run was.
 pub const RUN_INFO: &str = "metrale-collectives.json";
@@ -298,7 +298,6 @@ pub fn render(info: &RunInfo, entries: &[Entry], baseline: Option<&str>) -> Stri
     );
     let mut ops = String::new();
     let mut latency = String::new();
-    let mut paths = String::new();
     let mut other = String::new();
     // Rows in the order of the plan: operation, eager before graph, size.
     let mut rows: Vec<(usize, bool, usize, &str, &Row)> = Vec::new();
@@ -360,35 +359,57 @@ pub fn render(info: &RunInfo, entries: &[Entry], baseline: Option<&str>) -> Stri
             noise(&[raw, ours])
         );
     }
-    let mut points = Vec::new();
+    // Per path group (eager, graph): its table rows and its crossover
+    // points against the fast path and the one-shot path.
+    let mut path_groups: Vec<PathTable> = Vec::new();
     for (name, sizes) in &groups {
-        if name.starts_with("all_reduce_paths/") {
+        if let Some(mode) = name.strip_prefix("all_reduce_paths/") {
+            let mut g = PathTable {
+                mode: mode.to_owned(),
+                rows: String::new(),
+                fast: Vec::new(),
+                one_shot: Vec::new(),
+            };
             for (&bytes, row) in sizes {
                 let t = |f: &str| row.get(f);
-                let (never, always, auto) = (t("never"), t("always"), t("default"));
-                if let (Some(n), Some(a)) = (never, always) {
-                    points.push(PathPoint {
-                        bytes,
-                        nccl: *n,
-                        fast: *a,
-                    });
+                let (never, always, one, auto) =
+                    (t("never"), t("always"), t("one_shot"), t("default"));
+                if let Some(n) = never {
+                    if let Some(a) = always {
+                        g.fast.push(PathPoint {
+                            bytes,
+                            nccl: *n,
+                            fast: *a,
+                        });
+                    }
+                    if let Some(o) = one {
+                        g.one_shot.push(PathPoint {
+                            bytes,
+                            nccl: *n,
+                            fast: *o,
+                        });
+                    }
                 }
-                let best = match (never, always) {
-                    (Some(n), Some(a)) => Some(n.us.min(a.us)),
-                    _ => None,
+                let best = [never, always, one]
+                    .into_iter()
+                    .flatten()
+                    .map(|t| t.us)
+                    .reduce(f64::min);
+                let ratio = |other: Option<&Timing>| match (never, other) {
+                    (Some(n), Some(o)) if o.us > 0.0 => format!("{:.3}", n.us / o.us),
+                    _ => "-".into(),
                 };
                 let _ = writeln!(
-                    paths,
-                    "| {} | {} | {} | {} | {} | {} | {} | {} | {:.1} |",
+                    g.rows,
+                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} |",
                     human_bytes(bytes),
                     us(t("raw")),
                     us(never),
                     us(always),
+                    us(one),
                     us(auto),
-                    match (never, always) {
-                        (Some(n), Some(a)) if a.us > 0.0 => format!("{:.3}", n.us / a.us),
-                        _ => "-".into(),
-                    },
+                    ratio(always),
+                    ratio(one),
                     match (auto, best) {
                         (Some(d), Some(b)) if b > 0.0 =>
                             format!("{:+.1}%", 100.0 * (d.us / b - 1.0)),
@@ -398,9 +419,10 @@ pub fn render(info: &RunInfo, entries: &[Entry], baseline: Option<&str>) -> Stri
                         "{:.2}",
                         busbw_gbs(crate::Collective::AllReduce, w, bytes, d.us)
                     )),
-                    noise(&[t("raw"), never, always, auto])
+                    noise(&[t("raw"), never, always, one, auto])
                 );
             }
+            path_groups.push(g);
         } else if name.split('/').next().and_then(Op::from_name).is_none() {
             for row in sizes.values() {
                 for (f, t) in row {
@@ -431,18 +453,26 @@ pub fn render(info: &RunInfo, entries: &[Entry], baseline: Option<&str>) -> Stri
         s.push_str(&latency);
         s.push('\n');
     }
-    if !paths.is_empty() {
-        s.push_str("## 2-rank all-reduce paths, eager\n\n");
-        s.push_str(
-            "`never` is the backend's NCCL path, `always` the fast path (send/recv + add), `default` \
-             FastPathPolicy::DEFAULT; `fast/NCCL` is never / always (above 1: the fast path wins); \
-             `default vs best` compares with the better of the two.\n\n\
-             | bytes | raw µs | never µs | always µs | default µs | fast/NCCL | default vs best | default busbw GB/s | noise % |\n\
-             |---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    for g in &path_groups {
+        let _ = write!(
+            s,
+            "## {w}-rank all-reduce paths, {}\n\n\
+             `never` is the backend's NCCL path, `always` the fast path (send/recv + add, 2 ranks, \
+             eager only), `one_shot` the one-shot path, `default` the default configuration; \
+             `NCCL/fast` is never / always and `NCCL/one-shot` never / one_shot (above 1: that \
+             path wins); `default vs best` compares with the best of the paths.\n\n\
+             | bytes | raw µs | never µs | always µs | one_shot µs | default µs | NCCL/fast | NCCL/one-shot | default vs best | default busbw GB/s | noise % |\n\
+             |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+            g.mode
         );
-        s.push_str(&paths);
+        s.push_str(&g.rows);
         s.push_str("\n### Crossover\n\n");
-        s.push_str(&crossover_summary("eager", &points));
+        if !g.fast.is_empty() {
+            s.push_str(&crossover_summary(&g.mode, PathKind::Fast, &g.fast));
+        }
+        if !g.one_shot.is_empty() {
+            s.push_str(&crossover_summary(&g.mode, PathKind::OneShot, &g.one_shot));
+        }
         s.push('\n');
     }
     if !other.is_empty() {
@@ -454,6 +484,14 @@ pub fn render(info: &RunInfo, entries: &[Entry], baseline: Option<&str>) -> Stri
         s.push_str(&changes(name, &groups_with_base(entries)));
     }
     s
+}
+
+/// One all-reduce path group's rendering: its rows and crossover points.
+struct PathTable {
+    mode: String,
+    rows: String,
+    fast: Vec<PathPoint>,
+    one_shot: Vec<PathPoint>,
 }
 
 /// Per group and size, each function's estimate now and in the baseline.

@@ -90,7 +90,9 @@ fn two_emulated_gpus_run_every_group_and_the_tables_read_them() {
         "## Host-waited operations",
         "| command_u32 | eager |",
         "## 2-rank all-reduce paths, eager",
+        "## 2-rank all-reduce paths, graph",
         "recommended: `METRALE_COMM_FAST_PATH=",
+        "recommended: `METRALE_COMM_ONE_SHOT=",
     ] {
         assert!(t.contains(section), "{section}:\n{t}");
     }

@@ -94,6 +94,12 @@ pub fn main() -> i32 {
     }
 }
 
+/// A loopback address whose port was free a moment ago (rank 0 binds it for
+/// the one-shot backend's store).
+fn free_loopback_port() -> std::io::Result<std::net::SocketAddr> {
+    std::net::TcpListener::bind(("127.0.0.1", 0))?.local_addr()
+}
+
 fn run() -> anyhow::Result<()> {
     let knobs = knobs()?;
     let count = match nccl_safe::device_count() {
@@ -146,13 +152,25 @@ fn run() -> anyhow::Result<()> {
         knobs.enqueue,
         if knobs.quick { ", quick" } else { "" }
     );
+    let one_shot_store = if world >= 2 {
+        match free_loopback_port() {
+            Ok(addr) => Some(addr),
+            Err(e) => {
+                println!("{NAME}: no loopback port for the one-shot backend's store ({e})");
+                return Ok(());
+            }
+        }
+    } else {
+        None
+    };
     let setup = Setup {
         world,
         ids,
         enqueue: knobs.enqueue,
         max_bytes,
+        one_shot_store,
     };
-    // Joining four communicators, each within WAIT, and the checks.
+    // Joining up to five communicators, each within WAIT, and the checks.
     let mut team = Team::start(world, 5 * WAIT, move |r| Rank::new(r, &setup))?;
     let dir = criterion_dir();
     let info = RunInfo {

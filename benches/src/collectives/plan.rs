@@ -173,6 +173,9 @@ pub enum Policy {
     Always,
     /// `FastPathPolicy::DEFAULT`: the automatic choice.
     Default,
+    /// `OneShotPolicy::Always` (with `FastPathPolicy::Never`): the one-shot
+    /// all-reduce over peer memory (2 to 8 ranks).
+    OneShot,
 }
 
 /// Who issues the operation.
@@ -204,7 +207,8 @@ pub enum Range {
     Small,
     /// 2 MiB to 1 GiB: flat sampling, fewer samples.
     Large,
-    /// The all-reduce path sweep by factor 2: linear sampling.
+    /// The all-reduce path sweep by factor 2 (eager and graph): linear
+    /// sampling.
     Paths,
     /// One fixed size (barrier, command): linear sampling.
     Fixed,
@@ -262,12 +266,13 @@ pub struct Sizes {
 
 impl Sizes {
     /// nccl-tests' sweep, 8 B to 1 GiB by factor 4, split at 1 MiB; the
-    /// paths by factor 2 from 64 KiB to 64 MiB, around the default range.
+    /// paths by factor 2 from 8 B to 64 MiB (the one-shot sizes and the
+    /// fast path's range).
     pub fn full() -> Sizes {
         Sizes {
             small: size_series(8, 512 << 10, 4),
             large: size_series(2 << 20, 1 << 30, 4),
-            paths: size_series(64 << 10, 64 << 20, 2),
+            paths: size_series(8, 64 << 20, 2),
         }
     }
 
@@ -276,7 +281,7 @@ impl Sizes {
         Sizes {
             small: vec![8, 4 << 10],
             large: vec![64 << 10],
-            paths: vec![64 << 10, 128 << 10],
+            paths: vec![8, 64 << 10, 128 << 10],
         }
     }
 
@@ -351,20 +356,32 @@ pub fn groups(caps: Caps, sizes: &Sizes) -> Vec<Group> {
             }
         }
     }
-    // The fast path serves 2 ranks only; elsewhere every policy is NCCL's.
-    if w == 2 {
+    // The path sweep: NCCL, the one-shot path (2 to 8 ranks), the fast path
+    // (2 ranks, eager only: captured all-reduces take NCCL) and the default.
+    if w >= 2 {
+        let one_shot = ("one_shot", Impl::Backend(Policy::OneShot));
+        let never = ("never", Impl::Backend(Policy::Never));
+        let default = ("default", Impl::Backend(Policy::Default));
+        let mut eager = vec![raw, never];
+        if w == 2 {
+            eager.push(("always", Impl::Backend(Policy::Always)));
+        }
+        eager.extend([one_shot, default]);
         out.push(Group {
             name: "all_reduce_paths/eager".into(),
             op: Op::AllReduce,
             mode: Mode::Eager,
             range: Range::Paths,
             shapes: shapes(Op::AllReduce, &sizes.paths),
-            functions: vec![
-                raw,
-                ("never", Impl::Backend(Policy::Never)),
-                ("always", Impl::Backend(Policy::Always)),
-                ("default", Impl::Backend(Policy::Default)),
-            ],
+            functions: eager,
+        });
+        out.push(Group {
+            name: "all_reduce_paths/graph".into(),
+            op: Op::AllReduceAsync,
+            mode: Mode::Graph,
+            range: Range::Paths,
+            shapes: shapes(Op::AllReduceAsync, &sizes.paths),
+            functions: vec![raw, never, one_shot, default],
         });
     }
     out
@@ -413,11 +430,13 @@ mod tests {
         });
         assert!(two.contains(&"send_recv/graph/small".to_owned()));
         assert!(two.contains(&"all_reduce_paths/eager".to_owned()));
+        assert!(two.contains(&"all_reduce_paths/graph".to_owned()));
         assert!(two.contains(&"command_u32/eager".to_owned()));
         // Graph replay only where the backend takes a caller stream.
         assert!(!two.iter().any(|n| n.starts_with("all_gather/graph")));
-        // send_recv eager and graph, small and large; the command; the paths.
-        assert_eq!(two.len(), one.len() + 4 + 1 + 1);
+        // send_recv eager and graph, small and large; the command; the paths
+        // eager and graph.
+        assert_eq!(two.len(), one.len() + 4 + 1 + 2);
     }
 
     #[test]
@@ -454,6 +473,6 @@ mod tests {
             .sum()
         };
         assert_eq!(count(1), 242);
-        assert_eq!(count(2), 348);
+        assert_eq!(count(2), 520);
     }
 }

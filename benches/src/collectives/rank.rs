@@ -2,9 +2,11 @@
 //!
 //! Per rank: its device's context, one raw `nccl_safe::Comm` (blocking, as
 //! raw NCCL is at its best; joined within a deadline), a `NcclBackend` with
-//! `FastPathPolicy::Never` (the `ours` of every operation group) and, on 2
-//! ranks, two more with `Always` and the default policy (the path sweep),
-//! each on its own communicator; one caller stream, two bf16 buffers of the
+//! `FastPathPolicy::Never` (the `ours` of every operation group), on 2 or
+//! more ranks one with `OneShotPolicy::Always` (through a TCP store on
+//! loopback: the one-shot path is set up only over a store), and on 2 ranks
+//! two more with `Always` and the default policy (the path sweep), each on
+//! its own communicator; one caller stream, two bf16 buffers of the
 //! largest size, and two timing events. The backends' configurations are
 //! pinned (`without_env_overrides`): `METRALE_COMM_*` does not change what
 //! a group measures.
@@ -33,7 +35,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
 use half::bf16;
-use metrale_comm::{BackendConfig, CommBackend, EnqueueMode, FastPathPolicy, NcclBackend};
+use metrale_comm::rendezvous::TcpRendezvous;
+use metrale_comm::{
+    BackendConfig, CommBackend, EnqueueMode, FastPathPolicy, NcclBackend, OneShotPolicy,
+};
 use nccl_safe::{
     AbortHandle, Comm, Context, DataType, DeviceBuffer, DeviceView, DeviceViewMut, Event,
     GraphExec, Group, ReduceOp, Stream, UniqueId,
@@ -54,6 +59,8 @@ pub struct Setup {
     pub enqueue: EnqueueMode,
     /// The largest size of any case, bytes.
     pub max_bytes: usize,
+    /// Where rank 0 serves the one-shot backend's store (2 or more ranks).
+    pub one_shot_store: Option<std::net::SocketAddr>,
 }
 
 /// One rank.
@@ -65,6 +72,7 @@ pub struct Rank {
     never: NcclBackend,
     always: Option<NcclBackend>,
     default: Option<NcclBackend>,
+    one_shot: Option<NcclBackend>,
     stream: Stream,
     a: DeviceBuffer<bf16>,
     b: DeviceBuffer<bf16>,
@@ -101,6 +109,29 @@ fn backend(
         .with_context(|| format!("backend with {policy:?}"))
 }
 
+/// The backend of the one-shot path (`OneShotPolicy::Always`, NCCL for the
+/// rest), agreeing through the store at `addr`; an error says why the path
+/// is off.
+fn one_shot_backend(
+    rank: usize,
+    setup: &Setup,
+    addr: std::net::SocketAddr,
+) -> anyhow::Result<NcclBackend> {
+    let config = BackendConfig::new(rank)
+        .with_fast_path(FastPathPolicy::Never)
+        .with_one_shot(OneShotPolicy::Always)
+        .with_enqueue(setup.enqueue)
+        .with_init_timeout(WAIT)
+        .without_env_overrides();
+    let rdzv = TcpRendezvous::new(rank, setup.world, addr, None, WAIT)
+        .context("the one-shot backend's store")?;
+    let b = NcclBackend::new(config, Box::new(rdzv)).context("backend with the one-shot path")?;
+    if let Some(why) = b.one_shot_unavailable() {
+        bail!("the one-shot path is off: {why}");
+    }
+    Ok(b)
+}
+
 /// Random small-integer bf16 (±1..8, never zero) for rank `rank`: sums of
 /// up to 8 ranks stay exact.
 fn host_data(n: usize, rank: usize) -> Vec<bf16> {
@@ -131,6 +162,10 @@ impl Rank {
             ),
             _ => (None, None),
         };
+        let one_shot = match setup.one_shot_store {
+            Some(addr) => Some(one_shot_backend(rank, setup, addr)?),
+            None => None,
+        };
         let elems = setup.max_bytes.div_ceil(2).max(1);
         let mut r = Rank {
             rank,
@@ -147,6 +182,7 @@ impl Rank {
             never,
             always,
             default,
+            one_shot,
             graph: None,
         };
         r.verify()?;
@@ -158,6 +194,7 @@ impl Rank {
             Policy::Never => Ok(&self.never),
             Policy::Always => self.always.as_ref().context("no Always backend"),
             Policy::Default => self.default.as_ref().context("no default backend"),
+            Policy::OneShot => self.one_shot.as_ref().context("no one-shot backend"),
         }
     }
 
@@ -350,6 +387,7 @@ impl Rank {
             Impl::Backend(Policy::Never),
             Impl::Backend(Policy::Always),
             Impl::Backend(Policy::Default),
+            Impl::Backend(Policy::OneShot),
         ];
         for bytes in [1 << 10, 3 << 20] {
             let Some(shape) = Op::AllReduce.shape(bytes, self.world) else {
