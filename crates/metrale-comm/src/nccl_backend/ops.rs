@@ -586,10 +586,7 @@ impl CommBackend for NcclBackend {
         }
         drop(slot);
         let deadline = Instant::now() + inner.config.collective_timeout;
-        for w in group.watch {
-            inner.watch(w.seq, w.op, w.stream, Some(deadline))?;
-        }
-        Ok(())
+        inner.watch_group(&group.watch, deadline)
     }
 
     fn synchronize(&self) -> Result<()> {

@@ -56,7 +56,9 @@ pub(super) struct Watched {
 /// The watched submissions, one queue per stream in submission order, and
 /// the pool of completion events for reuse (one lock for both: a
 /// submission takes its event and pushes its watch under one acquisition).
-/// Work on one stream completes in order, so only a queue's front needs
+/// Every event is recorded and pushed under one acquisition, so a queue's
+/// order is its events' record order, which is their completion order:
+/// an entry is complete when a later one is, and only a queue's front needs
 /// asking: the watchdog's work per tick is one query per stream plus one
 /// per completion, whatever the number in flight. A handful of streams is
 /// the usual case, so the queues are a vector searched from the most
@@ -423,6 +425,51 @@ impl Inner {
             },
         );
         Ok(event)
+    }
+
+    /// Watches the submissions of a group that just ended: one completion
+    /// event per stream, recorded after the group's last operation there
+    /// (a group's operations launch together), shared by the watch of each
+    /// of them, so each is still named by its own op and seq.
+    pub(super) fn watch_group(&self, ops: &[GroupedOp], deadline: Instant) -> Result<()> {
+        let mut streams: Vec<CUstream> = Vec::new();
+        for w in ops {
+            if !streams.contains(&w.stream) {
+                streams.push(w.stream);
+            }
+        }
+        let generation = self.generation.load(Ordering::Acquire);
+        for stream in streams {
+            let Some(first) = ops.iter().find(|w| w.stream == stream) else {
+                continue;
+            };
+            let event = self.take_event()?;
+            // Record and push under one acquisition: no other submission's
+            // watch may land between the group's (the queue stays in
+            // completion order).
+            let mut watched = self.watched.lock();
+            // SAFETY: `stream` is the backend's own stream or one a caller
+            // vouched for (a `StreamRef`) when it joined the group, of this
+            // context, live until the group's work is watched.
+            if let Err(e) = unsafe { event.record_raw(stream) } {
+                watched.recycle([event]);
+                drop(watched);
+                return Err(self.fail(first.op, first.seq, e));
+            }
+            for w in ops.iter().filter(|w| w.stream == stream) {
+                watched.push(
+                    stream,
+                    Watched {
+                        seq: w.seq,
+                        op: w.op,
+                        generation,
+                        event: event.clone(),
+                        deadline: Some(deadline),
+                    },
+                );
+            }
+        }
+        Ok(())
     }
 
     /// Submits one operation that no thread waits for by ticket (its
