@@ -159,6 +159,29 @@ impl Ranks {
         Ok(())
     }
 
+    /// Waits for every stream, then checks that every rank but the last
+    /// (which never launched) ended with `status`, within 20 s of `what`.
+    fn expect_status(&self, status: u32, what: &str) -> anyhow::Result<()> {
+        let t = Instant::now();
+        for s in &self.streams {
+            s.wait_until_idle(WAIT)?;
+        }
+        let took = t.elapsed();
+        for r in 0..self.k - 1 {
+            let st = self.flags[r].load(1);
+            ensure!(
+                st == status,
+                "{} ranks, rank {r} after {what}: status {st}, want {status}",
+                self.k
+            );
+        }
+        ensure!(
+            took < Duration::from_secs(20),
+            "{what} took {took:?} to end the kernels"
+        );
+        Ok(())
+    }
+
     /// Rank `r`'s kernel on lane 1, captured into a graph on its stream.
     fn capture(&self, f: &Function, r: usize, n: usize) -> anyhow::Result<GraphExec> {
         let s = &self.streams[r];
@@ -214,25 +237,10 @@ pub fn kernel_one_device(ctx: &RankCtx) -> anyhow::Result<()> {
 
         ctx.step(format!("{k} ranks, the last never arrives"));
         let ranks = Ranks::new(&c, k, Duration::from_millis(300))?;
-        let t = Instant::now();
         for r in 0..k - 1 {
             ranks.launch(&f, r, 4097, LANE_EAGER)?;
         }
-        for s in &ranks.streams {
-            s.wait_until_idle(WAIT)?;
-        }
-        let took = t.elapsed();
-        for r in 0..k - 1 {
-            let st = ranks.flags[r].load(1);
-            ensure!(
-                st == STATUS_TIMEOUT,
-                "{k} ranks, rank {r} waiting for a rank that never came: status {st}, want {STATUS_TIMEOUT} (timeout)"
-            );
-        }
-        ensure!(
-            took < Duration::from_secs(20),
-            "the kernels' own 300 ms bound took {took:?}"
-        );
+        ranks.expect_status(STATUS_TIMEOUT, "the kernels' own 300 ms bound")?;
         drop(ranks);
 
         ctx.step(format!("{k} ranks, aborted while waiting"));
@@ -241,25 +249,10 @@ pub fn kernel_one_device(ctx: &RankCtx) -> anyhow::Result<()> {
             ranks.launch(&f, r, 255, LANE_EAGER)?;
         }
         std::thread::sleep(Duration::from_millis(50));
-        let t = Instant::now();
         for fl in &ranks.flags {
             fl.store(0, 1);
         }
-        for s in &ranks.streams {
-            s.wait_until_idle(WAIT)?;
-        }
-        let took = t.elapsed();
-        for r in 0..k - 1 {
-            let st = ranks.flags[r].load(1);
-            ensure!(
-                st == STATUS_ABORTED,
-                "{k} ranks, rank {r} after the abort word: status {st}, want {STATUS_ABORTED} (aborted)"
-            );
-        }
-        ensure!(
-            took < Duration::from_secs(20),
-            "the abort word took {took:?} to end the kernels"
-        );
+        ranks.expect_status(STATUS_ABORTED, "the abort word")?;
     }
     Ok(())
 }
