@@ -2,15 +2,16 @@
 //! their run on this box's GPUs.
 //!
 //! It builds `metrale-benches` with `cargo bench --no-run` (release): the
-//! `collectives` and `cpu` bench executables, found in cargo's
-//! `--message-format=json` artifacts, and the `gpu-bench` and
+//! `collectives`, `cpu` and `one_shot_local` bench executables, found in
+//! cargo's `--message-format=json` artifacts, and the `gpu-bench` and
 //! `bench-tables` binaries cargo builds beside them. A bundle is a
-//! directory with those four executables (debug info stripped, symbols
+//! directory with those five executables (debug info stripped, symbols
 //! kept), `run.sh` and `README.txt`; no emulator and no Rust toolchain are
 //! needed on the box. `run.sh OUT ...`
 //! runs the collectives bench with criterion's report folder in
 //! `OUT/criterion`, then the tables, then the host-cost probe (and on
-//! request the CPU bench and NVIDIA's nccl-tests beside them).
+//! request the CPU bench, the one-shot kernel bench and NVIDIA's nccl-tests
+//! beside them).
 //!
 //! `--bundle DIR` writes the bundle and stops (no GPU needed). Without it,
 //! on a box with GPUs, the bundle goes to `target/bench-bundle` and runs at
@@ -31,11 +32,12 @@ use anyhow::{Context as _, bail};
 use crate::gpu_box;
 
 const HELP: &str = "\
-usage: cargo xtask bench [--bundle DIR] [--out DIR] [--quick] [--cpu] [--no-host-costs]
+usage: cargo xtask bench [--bundle DIR] [--out DIR] [--quick] [--cpu] [--one-shot-local] [--no-host-costs]
                          [--save-baseline NAME | --baseline NAME] [-- CRITERION_ARGS...]
 
 Builds the benchmarks (cargo bench --no-run, release) into a bundle: the
-collectives and cpu bench executables, gpu-bench, bench-tables and run.sh.
+collectives, cpu and one_shot_local bench executables, gpu-bench, bench-tables
+and run.sh.
 --bundle DIR writes it to DIR and stops (no GPU needed): copy DIR to the GPU
 box and run `./run.sh OUT` there. Without --bundle, on this box's GPUs: the
 bundle goes to target/bench-bundle and runs with OUT = --out (default
@@ -44,13 +46,14 @@ criterion.tar.gz), the tables (tables.md), the logs and the host costs.
 --save-baseline NAME / --baseline NAME go to criterion: save this run as
 NAME, or compare it with NAME saved earlier in the same OUT on the same box.
 --quick: smoke-test sizes and times. --cpu: the CPU bench too.
+--one-shot-local: the one-shot kernel on one GPU with ranks simulated too.
 --no-host-costs: skip gpu-bench's host time per call. Arguments after --
 go to criterion (a filter such as all_reduce/, --measurement-time 5).
 See docs/benchmarks.md.
 ";
 
 /// The bench executables the bundle holds, by cargo target name.
-const BENCHES: [&str; 2] = ["collectives", "cpu"];
+const BENCHES: [&str; 3] = ["collectives", "cpu", "one_shot_local"];
 /// The binaries the bundle holds.
 const BINS: [&str; 2] = ["gpu-bench", "bench-tables"];
 
@@ -75,7 +78,9 @@ fn parse(args: &[String]) -> anyhow::Result<Result<Cli, i32>> {
                 cli.bundle = Some(it.next().context("--bundle needs a directory")?.into())
             }
             "--out" => cli.out = Some(it.next().context("--out needs a directory")?.into()),
-            "--quick" | "--cpu" | "--no-host-costs" => cli.pass.push(a.clone()),
+            "--quick" | "--cpu" | "--one-shot-local" | "--no-host-costs" => {
+                cli.pass.push(a.clone())
+            }
             "--save-baseline" | "--baseline" => {
                 let name = it.next().with_context(|| format!("{a} needs a name"))?;
                 cli.pass.extend([a.clone(), name.clone()]);
@@ -178,7 +183,7 @@ fn artifacts(json_lines: &str) -> Vec<Artifact> {
 /// (bench harness builds) and the binaries (plain builds).
 fn pick(found: &[Artifact]) -> anyhow::Result<Vec<(&'static str, PathBuf)>> {
     let mut out = Vec::new();
-    for (names, kind, test) in [(&BENCHES, "bench", true), (&BINS, "bin", false)] {
+    for (names, kind, test) in [(&BENCHES[..], "bench", true), (&BINS[..], "bin", false)] {
         for name in names.iter().copied() {
             let a = found
                 .iter()
@@ -253,8 +258,9 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 #   OUT/tables*.md         the nccl-tests-style tables, from criterion's estimates
 #   OUT/host-costs*.md     gpu-bench: host time per call
 #   OUT/cpu*.log           the CPU bench (--cpu)
+#   OUT/one-shot-local*.log the one-shot kernel on one GPU, ranks simulated (--one-shot-local)
 #   OUT/nccl-tests*.txt    NVIDIA's nccl-tests beside them (--nccl-tests DIR)
-# usage: ./run.sh OUT [--quick] [--cpu] [--no-host-costs] [--nccl-tests DIR]
+# usage: ./run.sh OUT [--quick] [--cpu] [--one-shot-local] [--no-host-costs] [--nccl-tests DIR]
 #                     [--save-baseline NAME | --baseline NAME] [CRITERION_ARGS...]
 # --save-baseline / --baseline go to criterion (and name the files: -NAME,
 # -vs-NAME); a baseline lives in OUT/criterion, so compare runs that share
@@ -263,18 +269,19 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 mkdir -p "$1" && out="$(cd "$1" && pwd)" || exit 2
 shift
 export NCCL_NVLS_ENABLE=0
 export CRITERION_HOME="$out/criterion"
-cpu=0 host=1 nccl_tests="" suffix="" base=() crit=()
+cpu=0 local=0 host=1 nccl_tests="" suffix="" base=() crit=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --quick) export METRALE_BENCH_QUICK=1 ;;
         --cpu) cpu=1 ;;
+        --one-shot-local) local=1 ;;
         --no-host-costs) host=0 ;;
         --nccl-tests) nccl_tests="$2"; shift ;;
         --save-baseline) base=("$1" "$2"); suffix="-$2"; shift ;;
@@ -295,6 +302,9 @@ if [ "$host" = 1 ]; then
 fi
 if [ "$cpu" = 1 ]; then
     "$here/cpu" --bench "${base[@]}" 2>&1 | tee "$out/cpu$suffix.log" || status=1
+fi
+if [ "$local" = 1 ]; then
+    "$here/one_shot_local" --bench "${base[@]}" 2>&1 | tee "$out/one-shot-local$suffix.log" || status=1
 fi
 if [ -n "$nccl_tests" ]; then
     n="${METRALE_BENCH_GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}"

@@ -18,6 +18,7 @@
 
 pub mod data;
 pub mod emu;
+pub mod one_shot_local;
 pub mod orchestrator;
 pub mod scenarios;
 

@@ -1,0 +1,105 @@
+//! The one-shot kernel's own cost on one GPU (criterion): `k` = 2, 4 and 8
+//! ranks simulated on device 0 (`comm_suite::one_shot_local`), each rank's
+//! kernel on its own stream, per call at 8 B to 1 MiB, eager (the host
+//! launches every rank's kernel per call) and in replayed graphs of
+//! [`GRAPH_CALLS`] calls per rank (the GPU's time per call). It shows the
+//! kernel's launch, protocol and memory traffic on one GPU's memory, not
+//! NVLink: a lower bound on what the path costs across GPUs, and the place
+//! to see a change to the kernel itself. NCCL has nothing to compare on one
+//! device (it refuses two ranks there); the cross-GPU comparison is the
+//! collectives bench's `all_reduce_paths` groups.
+//!
+//! Invariants: every (k, size) starts from data checked once against the
+//! host reference; timed calls sum in place without refilling (the GPU's
+//! time does not depend on the values); every wait is bounded; without a
+//! CUDA driver it prints one line and exits 0.
+
+use std::time::{Duration, Instant};
+
+use comm_suite::one_shot_local::{LANE_EAGER, LocalOneShot};
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use metrale_comm::kernels;
+use nccl_safe::{Context, Module};
+
+/// Calls per rank in one captured graph.
+const GRAPH_CALLS: u64 = 20;
+/// The slot (the largest call).
+const SLOT_BYTES: usize = 1 << 20;
+const SIZES: [usize; 5] = [8, 1 << 10, 16 << 10, 256 << 10, 1 << 20];
+
+fn one_shot_local(c: &mut Criterion) {
+    if let Err(e) = nccl_safe::device_count() {
+        println!("one_shot_local: no CUDA driver ({e}); nothing to measure");
+        return;
+    }
+    let ctx = Context::new(0).expect("device 0");
+    let module = Module::load_ptx(&ctx, kernels::BF16_ONE_SHOT_PTX).expect("the one-shot PTX");
+    let f = module
+        .function(kernels::BF16_ONE_SHOT_NAME)
+        .expect("the one-shot entry point");
+    for k in [2usize, 4, 8] {
+        let mut g =
+            LocalOneShot::new(&ctx, k, SLOT_BYTES, Duration::from_secs(30)).expect("buffers");
+        let mut eager = c.benchmark_group(format!("one_shot_local/eager/k{k}"));
+        for bytes in SIZES {
+            let n = bytes / 2;
+            let inputs = g.fill(0x1ca1 + k as u64, n).expect("fill");
+            g.launch_all(&f, n, LANE_EAGER).expect("launch");
+            g.wait().expect("wait");
+            g.check("the first call", &inputs).expect("the sum");
+            eager.throughput(Throughput::Bytes(bytes as u64));
+            eager.bench_with_input(BenchmarkId::from_parameter(bytes), &n, |b, &n| {
+                b.iter_custom(|iters| {
+                    let t = Instant::now();
+                    for _ in 0..iters {
+                        g.launch_all(&f, n, LANE_EAGER).expect("launch");
+                    }
+                    g.wait().expect("wait");
+                    t.elapsed()
+                })
+            });
+        }
+        eager.finish();
+        let mut graph = c.benchmark_group(format!("one_shot_local/graph/k{k}"));
+        for bytes in SIZES {
+            let n = bytes / 2;
+            let execs: Vec<_> = (0..k)
+                .map(|r| g.capture(&f, r, n, GRAPH_CALLS as usize).expect("capture"))
+                .collect();
+            graph.throughput(Throughput::Bytes(bytes as u64));
+            graph.bench_with_input(BenchmarkId::from_parameter(bytes), &n, |b, _| {
+                b.iter_custom(|iters| {
+                    let launches = iters.div_ceil(GRAPH_CALLS);
+                    let t = Instant::now();
+                    for _ in 0..launches {
+                        for (r, exec) in execs.iter().enumerate() {
+                            exec.launch(g.stream(r)).expect("replay");
+                        }
+                    }
+                    g.wait().expect("wait");
+                    t.elapsed()
+                        .mul_f64(iters as f64 / (launches * GRAPH_CALLS) as f64)
+                })
+            });
+        }
+        graph.finish();
+    }
+}
+
+fn config() -> Criterion {
+    Criterion::default()
+        .measurement_time(Duration::from_secs(2))
+        .warm_up_time(Duration::from_millis(500))
+}
+
+/// The criterion group (in a private module: the macro's function is
+/// public and undocumented).
+mod group {
+    use super::*;
+    criterion_group! {
+        name = benches;
+        config = config();
+        targets = one_shot_local
+    }
+}
+criterion_main!(group::benches);

@@ -1,0 +1,236 @@
+//! The one-shot kernel outside the backend: `k` ranks simulated on one
+//! device ([`LocalOneShot`]), for the `oneshot_kernel_one_device` scenario
+//! and the `one_shot_local` benchmark. One GPU can run this where the
+//! backend cannot (NCCL refuses two ranks on one device); it shows the
+//! protocol and arithmetic on the GPU's memory model, not NVLink.
+//!
+//! Invariants: the buffers stay allocated until the value is dropped;
+//! every launch is checked against the kernel's launch contract (`n` within
+//! one slot, lane 0 or 1) before it is made; every wait is bounded.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail, ensure};
+use half::bf16;
+use metrale_comm::kernels;
+use nccl_safe::{Context, DeviceBuffer, Function, GraphExec, HostWords, Stream};
+
+use crate::data::random_vec;
+
+const WAIT: Duration = Duration::from_secs(60);
+/// The lane of calls captured into graphs.
+pub const LANE_GRAPH: u32 = 1;
+/// The lane of eager calls.
+pub const LANE_EAGER: u32 = 0;
+
+/// `k` ranks of the one-shot kernel simulated on one device: each has its
+/// own receive buffer, control block, pinned flags (abort, status), data
+/// buffer of one slot and stream, and every control block names the
+/// others' buffers by address.
+pub struct LocalOneShot {
+    k: usize,
+    slot_bytes: usize,
+    _recv: Vec<DeviceBuffer<u32>>,
+    ctrl: Vec<DeviceBuffer<u64>>,
+    flags: Vec<HostWords>,
+    data: Vec<DeviceBuffer<bf16>>,
+    streams: Vec<Stream>,
+}
+
+impl LocalOneShot {
+    /// `k` ranks (2 to 8) with slots of `slot_bytes` (a multiple of 16);
+    /// a spinning thread gives up after `timeout`.
+    pub fn new(
+        c: &Arc<Context>,
+        k: usize,
+        slot_bytes: usize,
+        timeout: Duration,
+    ) -> anyhow::Result<LocalOneShot> {
+        ensure!(
+            (2..=8).contains(&k) && slot_bytes > 0 && slot_bytes.is_multiple_of(16),
+            "{k} ranks with {slot_bytes}-byte slots"
+        );
+        let mut recv = Vec::with_capacity(k);
+        for _ in 0..k {
+            let mut b = DeviceBuffer::<u32>::alloc(c, kernels::one_shot_recv_words(k, slot_bytes))?;
+            nccl_safe::fill_words(&mut b, kernels::ONE_SHOT_SENTINEL)?;
+            recv.push(b);
+        }
+        let addrs: Vec<u64> = recv.iter().map(DeviceBuffer::device_ptr).collect();
+        let mut ctrl = Vec::with_capacity(k);
+        let mut flags = Vec::with_capacity(k);
+        let mut data = Vec::with_capacity(k);
+        let mut streams = Vec::with_capacity(k);
+        for r in 0..k {
+            let f = HostWords::alloc(c, 2)?;
+            let words = kernels::one_shot_ctrl(
+                &addrs,
+                f.device_ptr(),
+                u64::try_from(timeout.as_nanos())?,
+                r,
+                slot_bytes,
+            )
+            .context("control block")?;
+            ctrl.push(DeviceBuffer::from_host(c, &words)?);
+            flags.push(f);
+            data.push(DeviceBuffer::<bf16>::alloc(c, slot_bytes / 2)?);
+            streams.push(Stream::new(c)?);
+        }
+        Ok(LocalOneShot {
+            k,
+            slot_bytes,
+            _recv: recv,
+            ctrl,
+            flags,
+            data,
+            streams,
+        })
+    }
+
+    /// The number of ranks.
+    pub fn ranks(&self) -> usize {
+        self.k
+    }
+
+    /// The largest call, in elements.
+    pub fn max_elems(&self) -> usize {
+        self.slot_bytes / 2
+    }
+
+    /// Rank `r`'s stream.
+    pub fn stream(&self, r: usize) -> &Stream {
+        &self.streams[r]
+    }
+
+    /// Rank `r`'s pinned words: 0 abort (set it to 1 to end every kernel),
+    /// 1 the status a kernel records.
+    pub fn flags(&self, r: usize) -> &HostWords {
+        &self.flags[r]
+    }
+
+    /// Random inputs of `n` elements for every rank (one pair of them the
+    /// "not arrived" word), copied into the data buffers.
+    pub fn fill(&mut self, seed: u64, n: usize) -> anyhow::Result<Vec<Vec<bf16>>> {
+        let mut inputs = Vec::with_capacity(self.k);
+        for r in 0..self.k {
+            let mut v: Vec<bf16> = random_vec(seed, r, n as u64, n);
+            if n >= 4 && r % 2 == 1 {
+                v[2] = bf16::from_bits(0x0000);
+                v[3] = bf16::from_bits(0x8000);
+            }
+            self.data[r].copy_prefix_from_host(&v)?;
+            inputs.push(v);
+        }
+        Ok(inputs)
+    }
+
+    /// Launches rank `r`'s kernel (`f`, the one-shot entry point of this
+    /// context) on `n <= max_elems()` values on its stream.
+    pub fn launch(&self, f: &Function, r: usize, n: usize, lane: u32) -> anyhow::Result<()> {
+        ensure!(
+            r < self.k && (1..=self.max_elems()).contains(&n) && lane < 2,
+            "rank {r}, {n} values, lane {lane}"
+        );
+        let (grid, block) = kernels::one_shot_launch_config(n as u64);
+        let (mut ctrl, mut data, mut n, mut lane) = (
+            self.ctrl[r].device_ptr(),
+            self.data[r].device_ptr(),
+            n as u64,
+            lane,
+        );
+        let mut params = [
+            (&mut ctrl as *mut u64).cast(),
+            (&mut data as *mut u64).cast(),
+            (&mut n as *mut u64).cast(),
+            (&mut lane as *mut u32).cast(),
+        ];
+        // SAFETY: the parameters match the kernel's (ctrl, data, n, lane);
+        // `ctrl` is this rank's control block, naming live receive buffers
+        // of this context; `data` holds at least `n` values; all stay
+        // allocated until `self` is dropped, after every stream is idle.
+        unsafe { f.launch(grid, block, 0, self.streams[r].raw(), &mut params) }?;
+        Ok(())
+    }
+
+    /// Launches every rank's kernel, rank order.
+    pub fn launch_all(&self, f: &Function, n: usize, lane: u32) -> anyhow::Result<()> {
+        (0..self.k).try_for_each(|r| self.launch(f, r, n, lane))
+    }
+
+    /// Waits for every rank's stream; fails if any kernel set a status.
+    pub fn wait(&self) -> anyhow::Result<()> {
+        for s in &self.streams {
+            s.wait_until_idle(WAIT)?;
+        }
+        for (r, f) in self.flags.iter().enumerate() {
+            ensure!(
+                f.load(1) == 0,
+                "rank {r}: the kernel set status {}",
+                f.load(1)
+            );
+        }
+        Ok(())
+    }
+
+    /// Checks every rank's first `n` values against the reference of
+    /// `inputs` (what [`LocalOneShot::fill`] returned), bit for bit.
+    pub fn check(&self, what: &str, inputs: &[Vec<bf16>]) -> anyhow::Result<()> {
+        let n = inputs[0].len();
+        let want = kernels::one_shot_sum(inputs).map_err(anyhow::Error::msg)?;
+        for r in 0..self.k {
+            let got = self.data[r].to_host_vec()?;
+            if let Some(i) = (0..n).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+                bail!(
+                    "{what}, {} ranks, rank {r}: element {i} of {n} is {} (bits {:#06x}), want {} ({:#06x})",
+                    self.k,
+                    got[i],
+                    got[i].to_bits(),
+                    want[i],
+                    want[i].to_bits()
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for every stream, then checks that every rank but the last
+    /// (which never launched) ended with `status`, within 20 s of `what`.
+    pub fn expect_status(&self, status: u32, what: &str) -> anyhow::Result<()> {
+        let t = Instant::now();
+        for s in &self.streams {
+            s.wait_until_idle(WAIT)?;
+        }
+        let took = t.elapsed();
+        for r in 0..self.k - 1 {
+            let st = self.flags[r].load(1);
+            ensure!(
+                st == status,
+                "{} ranks, rank {r} after {what}: status {st}, want {status}",
+                self.k
+            );
+        }
+        ensure!(
+            took < Duration::from_secs(20),
+            "{what} took {took:?} to end the kernels"
+        );
+        Ok(())
+    }
+
+    /// `calls` calls of rank `r`'s kernel on lane 1, captured into a graph
+    /// on its stream.
+    pub fn capture(
+        &self,
+        f: &Function,
+        r: usize,
+        n: usize,
+        calls: usize,
+    ) -> anyhow::Result<GraphExec> {
+        let s = &self.streams[r];
+        s.begin_capture()?;
+        let launched = (0..calls).try_for_each(|_| self.launch(f, r, n, LANE_GRAPH));
+        let graph = s.end_capture()?;
+        launched?;
+        Ok(graph.instantiate()?)
+    }
+}
