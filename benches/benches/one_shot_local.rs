@@ -9,6 +9,10 @@
 //! device (it refuses two ranks there); the cross-GPU comparison is the
 //! collectives bench's `all_reduce_paths` groups.
 //!
+//! `METRALE_ONE_SHOT_PTX=FILE` loads the kernel from `FILE` instead of the
+//! committed PTX: a change to `bf16_one_shot.cu` compiled with `cargo xtask
+//! ptx` can be timed against the committed one on a box without Rust.
+//!
 //! Invariants: every (k, size) starts from data checked once against the
 //! host reference; timed calls sum in place without refilling (the GPU's
 //! time does not depend on the values); every wait is bounded; without a
@@ -33,7 +37,14 @@ fn one_shot_local(c: &mut Criterion) {
         return;
     }
     let ctx = Context::new(0).expect("device 0");
-    let module = Module::load_ptx(&ctx, kernels::BF16_ONE_SHOT_PTX).expect("the one-shot PTX");
+    let ptx = match std::env::var_os("METRALE_ONE_SHOT_PTX") {
+        Some(path) => {
+            println!("one_shot_local: the kernel from {}", path.to_string_lossy());
+            std::fs::read_to_string(&path).expect("METRALE_ONE_SHOT_PTX names a PTX file")
+        }
+        None => kernels::BF16_ONE_SHOT_PTX.to_owned(),
+    };
+    let module = Module::load_ptx(&ctx, &ptx).expect("the one-shot PTX");
     let f = module
         .function(kernels::BF16_ONE_SHOT_NAME)
         .expect("the one-shot entry point");
