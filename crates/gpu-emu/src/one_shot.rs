@@ -6,9 +6,10 @@
 //!
 //! One launch runs as one block that covers every element. What it keeps
 //! from the GPU kernel:
-//! - the control block at `ctrl` (128 bytes: peer buffers, the host-pinned
+//! - the control block at `ctrl` (136 bytes: peer buffers, the host-pinned
 //!   abort and status words, the spin bound, rank, world, slot size, two
-//!   lanes of epoch, arrival count and owner) is read and written in place;
+//!   lanes of epoch, arrival count and owner, the `failed` word) is read and
+//!   written in place;
 //! - the push of the (sentinel-replaced) input into slot `rank` of every
 //!   peer's buffer, then the wait for every peer's slot in its own buffer,
 //!   the f32 sum in rank order, the clear back to the sentinel and the bf16
@@ -16,7 +17,10 @@
 //! - the lane's owner (a call that finds it held by another records the
 //!   concurrent-use status and touches nothing), the epoch that picks the
 //!   half, and the bounded spin: past the spin bound, or once the abort
-//!   word is set, the status word records why and the kernel ends.
+//!   word is set (read only after [`HOST_POLL_AFTER`] of waiting, as the
+//!   GPU kernel reads no host memory before), the status is recorded (first
+//!   in `failed`, the first wins, then in the host's status word) and the
+//!   kernel ends; a kernel that finds `failed` set touches nothing.
 //!
 //! Invariants: every touch of emulated memory goes through
 //! `memory::access`, in short sections (never held while waiting), so a
@@ -40,13 +44,17 @@ use crate::stream::Launcher;
 pub(crate) const NAME: &str = "bf16_one_shot_all_reduce";
 
 const SENTINEL: u32 = 0x8000_0000;
-const CTRL_BYTES: usize = 128;
+const CTRL_BYTES: usize = 136;
 const OFF_FLAGS: u64 = 64;
 const OFF_TIMEOUT: u64 = 72;
 const OFF_RANK: u64 = 80;
 const OFF_WORLD: u64 = 84;
 const OFF_SLOT: u64 = 88;
 const OFF_LANES: u64 = 96;
+const OFF_FAILED: u64 = 128;
+/// How long a call waits before it reads the host's abort word
+/// (`OS_HOST_POLL_AFTER_NS`).
+const HOST_POLL_AFTER: Duration = Duration::from_micros(100);
 const LANE_BYTES: u64 = 16;
 const MAX_RANKS: usize = 8;
 
@@ -90,7 +98,7 @@ struct Ctrl {
 /// # Safety
 /// `ctrl` holds a live, 8-byte aligned control block.
 unsafe fn read_ctrl(ctrl: u64) -> Ctrl {
-    // SAFETY: every offset lies inside the 128-byte block (this function's
+    // SAFETY: every offset lies inside the 136-byte block (this function's
     // contract), aligned for its width.
     unsafe {
         let mut peer = [0u64; MAX_RANKS];
@@ -203,12 +211,31 @@ fn flag(flags: u64, i: u64) -> Option<u32> {
     })
 }
 
-/// Records `code` as the status unless one is recorded already.
-fn fail(flags: u64, code: u32) -> Option<()> {
+/// Records `code` as the status unless one is recorded already: in the
+/// control block's `failed` word (the first wins), then in the host's
+/// status word.
+fn fail(ctrl: u64, flags: u64, code: u32) -> Option<()> {
+    let first = memory::access(&[Span::device(ctrl, CTRL_BYTES)], || {
+        // SAFETY: the span holds the control block; `failed` is aligned.
+        let failed = unsafe { word(ctrl + OFF_FAILED) };
+        failed
+            .compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    })?;
+    if !first {
+        return Some(());
+    }
     memory::access(&[Span::any(flags, 8)], || {
-        // SAFETY: the span holds both words for the exchange; aligned.
-        let status = unsafe { word(flags + 4) };
-        let _ = status.compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire);
+        // SAFETY: the span holds both words for the store; aligned.
+        unsafe { word(flags + 4) }.store(code, Ordering::Release);
+    })
+}
+
+/// The control block's `failed` word.
+fn failed(ctrl: u64) -> Option<u32> {
+    memory::access(&[Span::device(ctrl, CTRL_BYTES)], || {
+        // SAFETY: the span holds the control block; `failed` is aligned.
+        unsafe { word(ctrl + OFF_FAILED) }.load(Ordering::Acquire)
     })
 }
 
@@ -218,7 +245,7 @@ fn run(ctrl: u64, data: u64, n: usize, lane: u32, id: u64) -> Option<()> {
     let ctrl_span = Span::device(ctrl, CTRL_BYTES);
     // SAFETY: the span holds the control block for the read.
     let c = memory::access(&[ctrl_span], || unsafe { read_ctrl(ctrl) })?;
-    let fail = |code| fail(c.flags, code);
+    let fail = |code| fail(ctrl, c.flags, code);
     let slot = c.slot;
     if lane > 1
         || !(2..=MAX_RANKS).contains(&c.world)
@@ -229,11 +256,8 @@ fn run(ctrl: u64, data: u64, n: usize, lane: u32, id: u64) -> Option<()> {
     {
         return fail(STATUS_BAD_LAUNCH);
     }
-    if flag(c.flags, 1)? != 0 {
+    if failed(ctrl)? != 0 {
         return Some(());
-    }
-    if flag(c.flags, 0)? != 0 {
-        return fail(STATUS_ABORTED);
     }
     let lane_at = ctrl + OFF_LANES + LANE_BYTES * u64::from(lane);
     // SAFETY: the lane's epoch and owner lie inside the control block,
@@ -332,10 +356,10 @@ fn run(ctrl: u64, data: u64, n: usize, lane: u32, id: u64) -> Option<()> {
         if let Pass::Done = pass {
             break;
         }
-        if flag(c.flags, 1)? != 0 {
+        if failed(ctrl)? != 0 {
             return Some(());
         }
-        if flag(c.flags, 0)? != 0 {
+        if t0.elapsed() > HOST_POLL_AFTER && flag(c.flags, 0)? != 0 {
             return fail(STATUS_ABORTED);
         }
         if t0.elapsed() > c.timeout {

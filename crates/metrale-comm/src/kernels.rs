@@ -49,7 +49,7 @@ pub const BF16_ADD_MAX_GRID: u32 = 132 * 8;
 /// memory (protocol, layout and bounds in `kernels/bf16_one_shot.cu` and
 /// `nccl_backend/one_shot.rs`). Its result is [`one_shot_sum`].
 ///
-/// Parameters, in order: `ctrl` (device address of the rank's 128-byte
+/// Parameters, in order: `ctrl` (device address of the rank's 136-byte
 /// control block), `data` (device address of `n` bf16 values, reduced in
 /// place), `n` (`u64`, `1..=slot_bytes / 2`), `lane` (`u32`: 0 eager, 1
 /// captured into a graph).
@@ -71,8 +71,8 @@ pub const ONE_SHOT_MAX_GRID: u32 = 32;
 /// call (the bf16 pair (+0.0, -0.0)): "not arrived".
 pub const ONE_SHOT_SENTINEL: u32 = 0x8000_0000;
 
-/// The 64-bit words of a one-shot control block (128 bytes).
-pub const ONE_SHOT_CTRL_WORDS: usize = 16;
+/// The 64-bit words of a one-shot control block (136 bytes).
+pub const ONE_SHOT_CTRL_WORDS: usize = 17;
 
 /// The 32-bit words of one rank's one-shot receive buffer: 2 lanes x 2
 /// halves x `world` slots of `slot_bytes` (a multiple of 16).
@@ -85,7 +85,8 @@ pub fn one_shot_recv_words(world: usize, slot_bytes: usize) -> usize {
 /// `OsCtrl` declares; its two lanes start free at epoch 0): `peers[p]` is
 /// rank `p`'s receive buffer as mapped on this rank, `flags` the device
 /// address of two host-pinned `u32` words (abort, status), `timeout_ns` how
-/// long a thread may spin. `None` for a world outside 2 to 8.
+/// long a thread may spin; no status recorded yet. `None` for a world
+/// outside 2 to 8.
 pub fn one_shot_ctrl(
     peers: &[u64],
     flags: u64,

@@ -8,7 +8,7 @@
 //! Set-up, at construction and at every reconnect, over the new
 //! communicator (all ranks take the same steps, so the collectives match):
 //! 1. allocate this rank's receive buffer (2 lanes x 2 halves x `world`
-//!    slots, filled with the sentinel), its 128-byte control block and 2
+//!    slots, filled with the sentinel), its 136-byte control block and 2
 //!    host-pinned words (abort, status), and export the buffer's IPC handle;
 //! 2. exchange a record (handle, address, process, host, slot size) with an
 //!    all-reduce of bytes (all-reduces are connected at init, so this makes

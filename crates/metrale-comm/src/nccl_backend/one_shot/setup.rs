@@ -26,7 +26,6 @@ use crate::nccl_backend::{Inner, Slot};
 /// Bytes of one rank's record in the set-up exchanges.
 const RECORD_BYTES: usize = 128;
 const MAGIC: u32 = 0x4f53_5231;
-/// 64-bit words of the control block (`OsCtrl`, 128 bytes).
 /// Elements of the set-up probe: odd, over one block.
 const PROBE_ELEMS: usize = 4099;
 
