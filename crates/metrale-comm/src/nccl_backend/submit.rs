@@ -61,8 +61,8 @@ pub(super) struct Watched {
 /// an entry is complete when a later one is, and only a queue's front needs
 /// asking: the watchdog's work per tick is one query per stream plus one
 /// per completion, whatever the number in flight. A handful of streams is
-/// the usual case, so the queues are a vector searched from the most
-/// recently used one (no hashing on the submission path).
+/// the usual case, so the queues are a vector searched from its newest
+/// queue back (no hashing on the submission path).
 #[derive(Default)]
 pub(super) struct WatchQueues {
     queues: Vec<(usize, VecDeque<Watched>)>,
