@@ -2,7 +2,10 @@
 //! ranks simulated on device 0 (`comm_suite::one_shot_local`), each rank's
 //! kernel on its own stream, per call at 8 B to 1 MiB, eager (the host
 //! launches every rank's kernel per call) and in replayed graphs of
-//! [`GRAPH_CALLS`] calls per rank (the GPU's time per call). It shows the
+//! [`GRAPH_CALLS`] calls per rank (the GPU's time per call); and, as the
+//! floor of a replayed call, `one_shot_local/graph/floor`: one 8-value
+//! `bf16_add_inplace` per rank per call, in the same graphs on the same
+//! two streams. It shows the
 //! kernel's launch, protocol and memory traffic on one GPU's memory, not
 //! NVLink: a lower bound on what the path costs across GPUs, and the place
 //! to see a change to the kernel itself. NCCL has nothing to compare on one
@@ -22,8 +25,9 @@ use std::time::{Duration, Instant};
 
 use comm_suite::one_shot_local::{LANE_EAGER, LocalOneShot};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use half::bf16;
 use metrale_comm::kernels;
-use nccl_safe::{Context, Module};
+use nccl_safe::{Context, DeviceBuffer, GraphExec, Module, Stream};
 
 /// Calls per rank in one captured graph.
 const GRAPH_CALLS: u64 = 20;
@@ -79,21 +83,86 @@ fn one_shot_local(c: &mut Criterion) {
                 .collect();
             graph.throughput(Throughput::Bytes(bytes as u64));
             graph.bench_with_input(BenchmarkId::from_parameter(bytes), &n, |b, _| {
-                b.iter_custom(|iters| {
-                    let launches = iters.div_ceil(GRAPH_CALLS);
-                    let t = Instant::now();
-                    for _ in 0..launches {
-                        for (r, exec) in execs.iter().enumerate() {
-                            exec.launch(g.stream(r)).expect("replay");
-                        }
-                    }
-                    g.wait().expect("wait");
-                    t.elapsed()
-                        .mul_f64(iters as f64 / (launches * GRAPH_CALLS) as f64)
-                })
+                b.iter_custom(|iters| replay(&g, &execs, iters))
             });
         }
         graph.finish();
+        if k == 2 {
+            let floor_graphs = Floor::new(&ctx, &g).expect("the floor's graphs");
+            let mut floor = c.benchmark_group("one_shot_local/graph/floor");
+            floor.bench_function("k2", |b| {
+                b.iter_custom(|iters| replay(&g, &floor_graphs.execs, iters))
+            });
+            floor.finish();
+        }
+    }
+}
+
+/// Replays every rank's graph until `iters` calls ran; the time scaled to
+/// `iters` calls.
+fn replay(g: &LocalOneShot, execs: &[GraphExec], iters: u64) -> Duration {
+    let launches = iters.div_ceil(GRAPH_CALLS);
+    let t = Instant::now();
+    for _ in 0..launches {
+        for (r, exec) in execs.iter().enumerate() {
+            exec.launch(g.stream(r)).expect("replay");
+        }
+    }
+    g.wait().expect("wait");
+    t.elapsed()
+        .mul_f64(iters as f64 / (launches * GRAPH_CALLS) as f64)
+}
+
+/// Per rank stream of a [`LocalOneShot`], a graph of [`GRAPH_CALLS`]
+/// launches of the add kernel on 8 values: the cost of one small kernel
+/// per call. Fields drop in order: the graphs before what they use.
+struct Floor {
+    execs: Vec<GraphExec>,
+    _module: Module,
+    _dst: DeviceBuffer<bf16>,
+    _src: DeviceBuffer<bf16>,
+}
+
+impl Floor {
+    fn new(ctx: &std::sync::Arc<Context>, g: &LocalOneShot) -> anyhow::Result<Floor> {
+        let module = Module::load_ptx(ctx, kernels::BF16_ADD_PTX)?;
+        let add = module.function(kernels::BF16_ADD_NAME)?;
+        let dst = DeviceBuffer::<bf16>::from_host(ctx, &[bf16::ONE; 8])?;
+        let src = DeviceBuffer::<bf16>::from_host(ctx, &[bf16::ZERO; 8])?;
+        let mut execs = Vec::new();
+        for r in 0..g.ranks() {
+            let s: &Stream = g.stream(r);
+            s.begin_capture()?;
+            let launched = (0..GRAPH_CALLS).try_for_each(|_| {
+                let (mut d, mut x, mut n) = (dst.device_ptr(), src.device_ptr(), 8u64);
+                let mut params = [
+                    (&mut d as *mut u64).cast(),
+                    (&mut x as *mut u64).cast(),
+                    (&mut n as *mut u64).cast(),
+                ];
+                // SAFETY: the add kernel takes (dst, src, n); both buffers
+                // hold 8 values of this context and outlive the graphs
+                // (fields of the same `Floor`, dropped after them).
+                unsafe {
+                    add.launch(
+                        (1, 1, 1),
+                        (kernels::BF16_ADD_BLOCK, 1, 1),
+                        0,
+                        s.raw(),
+                        &mut params,
+                    )
+                }
+            });
+            let graph = s.end_capture()?;
+            launched?;
+            execs.push(graph.instantiate()?);
+        }
+        Ok(Floor {
+            execs,
+            _module: module,
+            _dst: dst,
+            _src: src,
+        })
     }
 }
 
