@@ -397,17 +397,19 @@ mod tests {
             msg("bench", "collectives", true, "/t/deps/collectives-2"),
             msg("bin", "collectives", false, "/t/collectives"),
             msg("bench", "cpu", true, "/t/deps/cpu-3"),
+            msg("bench", "one_shot_local", true, "/t/deps/one_shot_local-4"),
             r#"{"reason":"build-finished","success":true}"#.to_owned(),
         ]
         .join("\n");
         let found = artifacts(&lines);
-        assert_eq!(found.len(), 6);
+        assert_eq!(found.len(), 7);
         let picked = pick(&found).unwrap();
         assert_eq!(
             picked,
             vec![
                 ("collectives", PathBuf::from("/t/deps/collectives-2")),
                 ("cpu", PathBuf::from("/t/deps/cpu-3")),
+                ("one_shot_local", PathBuf::from("/t/deps/one_shot_local-4")),
                 ("gpu-bench", PathBuf::from("/t/gpu-bench")),
                 ("bench-tables", PathBuf::from("/t/bench-tables")),
             ]
