@@ -4,7 +4,9 @@
 //! backend cannot (NCCL refuses two ranks on one device); it shows the
 //! protocol and arithmetic on the GPU's memory model, not NVLink.
 //!
-//! Invariants: the buffers stay allocated until the value is dropped;
+//! Invariants: the buffers stay allocated until the value is dropped, and
+//! dropping it first sets every rank's abort word and waits (bounded) for
+//! every stream, so no kernel runs on freed memory;
 //! every launch is checked against the kernel's launch contract (`n` within
 //! one slot, lane 0 or 1) before it is made; every wait is bounded.
 
@@ -36,6 +38,19 @@ pub struct LocalOneShot {
     flags: Vec<HostWords>,
     data: Vec<DeviceBuffer<bf16>>,
     streams: Vec<Stream>,
+}
+
+impl Drop for LocalOneShot {
+    fn drop(&mut self) {
+        for f in &self.flags {
+            f.store(0, 1);
+        }
+        for (r, s) in self.streams.iter().enumerate() {
+            if let Err(e) = s.wait_until_idle(WAIT) {
+                tracing::error!("rank {r}'s one-shot kernels did not end before the free: {e}");
+            }
+        }
+    }
 }
 
 impl LocalOneShot {
