@@ -384,16 +384,19 @@ impl Inner {
         self.watched.lock().recycle(events);
     }
 
-    /// Records a completion event for `seq` on `stream` and hands it to the
-    /// watchdog. `deadline: None` is an idle wait (no timeout). A pooled
-    /// event is taken, recorded and watched under one acquisition of the
-    /// `watched` lock (the watchdog holds that lock only to copy or pop,
-    /// never across a driver call, so it waits at most one record).
+    /// Records one completion event on `stream`, after the submissions
+    /// `ops` (seq, op; all already enqueued there, oldest first), and hands
+    /// each to the watchdog with that event. `deadline: None` is an idle
+    /// wait (no timeout). A pooled event is taken, recorded and watched
+    /// under one acquisition of the `watched` lock, so no other watch lands
+    /// between and a queue's order stays its events' record order (the
+    /// watchdog holds that lock only to copy or pop, never across a driver
+    /// call, so it waits at most one record). A failed record poisons,
+    /// named by the first of `ops`.
     pub(super) fn watch(
         &self,
-        seq: u64,
-        op: &'static str,
         stream: CUstream,
+        ops: &[(u64, &'static str)],
         deadline: Option<Instant>,
     ) -> Result<Arc<Event>> {
         let mut watched = self.watched.lock();
@@ -408,22 +411,27 @@ impl Inner {
             }
         };
         // SAFETY: `stream` is the backend's own stream or one the caller
-        // vouched for (a `StreamRef`), of this context.
+        // vouched for (a `StreamRef`, live until its group's work is
+        // watched when grouped), of this context.
         if let Err(e) = unsafe { event.record_raw(stream) } {
             watched.recycle([event]);
             drop(watched);
+            let (seq, op) = ops.first().copied().unwrap_or((0, "watch"));
             return Err(self.fail(op, seq, e));
         }
-        watched.push(
-            stream,
-            Watched {
-                seq,
-                op,
-                generation: self.generation.load(Ordering::Acquire),
-                event: event.clone(),
-                deadline,
-            },
-        );
+        let generation = self.generation.load(Ordering::Acquire);
+        for &(seq, op) in ops {
+            watched.push(
+                stream,
+                Watched {
+                    seq,
+                    op,
+                    generation,
+                    event: event.clone(),
+                    deadline,
+                },
+            );
+        }
         Ok(event)
     }
 
@@ -438,36 +446,13 @@ impl Inner {
                 streams.push(w.stream);
             }
         }
-        let generation = self.generation.load(Ordering::Acquire);
         for stream in streams {
-            let Some(first) = ops.iter().find(|w| w.stream == stream) else {
-                continue;
-            };
-            let event = self.take_event()?;
-            // Record and push under one acquisition: no other submission's
-            // watch may land between the group's (the queue stays in
-            // completion order).
-            let mut watched = self.watched.lock();
-            // SAFETY: `stream` is the backend's own stream or one a caller
-            // vouched for (a `StreamRef`) when it joined the group, of this
-            // context, live until the group's work is watched.
-            if let Err(e) = unsafe { event.record_raw(stream) } {
-                watched.recycle([event]);
-                drop(watched);
-                return Err(self.fail(first.op, first.seq, e));
-            }
-            for w in ops.iter().filter(|w| w.stream == stream) {
-                watched.push(
-                    stream,
-                    Watched {
-                        seq: w.seq,
-                        op: w.op,
-                        generation,
-                        event: event.clone(),
-                        deadline: Some(deadline),
-                    },
-                );
-            }
+            let on: Vec<(u64, &'static str)> = ops
+                .iter()
+                .filter(|w| w.stream == stream)
+                .map(|w| (w.seq, w.op))
+                .collect();
+            self.watch(stream, &on, Some(deadline))?;
         }
         Ok(())
     }
@@ -563,7 +548,7 @@ impl Inner {
             self.recorder.set_state(seq, OpState::Completed);
             return Ok((seq, None));
         }
-        if slot.group.is_some() && self.in_group(&slot) {
+        if self.in_group(&slot) {
             if let Some(g) = slot.group.as_mut() {
                 g.watch.push(GroupedOp {
                     seq,
@@ -584,7 +569,7 @@ impl Inner {
         let generation = self.generation.load(Ordering::Acquire);
         drop(slot);
         let deadline = (!idle).then(|| now + self.config.collective_timeout);
-        let event = self.watch(seq, op, raw_stream, deadline)?;
+        let event = self.watch(raw_stream, &[(seq, op)], deadline)?;
         Ok((
             seq,
             comm.map(|comm| Ticket {
