@@ -134,22 +134,18 @@ impl Floor {
             let s: &Stream = g.stream(r);
             s.begin_capture()?;
             let launched = (0..GRAPH_CALLS).try_for_each(|_| {
-                let (mut d, mut x, mut n) = (dst.device_ptr(), src.device_ptr(), 8u64);
-                let mut params = [
-                    (&mut d as *mut u64).cast(),
-                    (&mut x as *mut u64).cast(),
-                    (&mut n as *mut u64).cast(),
-                ];
-                // SAFETY: the add kernel takes (dst, src, n); both buffers
-                // hold 8 values of this context and outlive the graphs
-                // (fields of the same `Floor`, dropped after them).
+                // SAFETY: `add` is the add kernel of this context; both
+                // buffers hold 8 values of it and outlive the graphs
+                // (fields of the same `Floor`, dropped after them); the
+                // stream is live.
                 unsafe {
-                    add.launch(
-                        (1, 1, 1),
-                        (kernels::BF16_ADD_BLOCK, 1, 1),
-                        0,
+                    kernels::launch_add(
+                        ctx,
+                        add.raw(),
+                        dst.device_ptr(),
+                        src.device_ptr(),
+                        8,
                         s.raw(),
-                        &mut params,
                     )
                 }
             });

@@ -92,20 +92,24 @@ pub struct Rank {
 /// in the launch queue.
 pub const IN_FLIGHT: u64 = 50;
 
+/// Every backend's configuration with fast-path policy `policy`. Pinned:
+/// the `METRALE_COMM_*` environment must not turn `Never` into another
+/// policy or move a rank to another device.
+fn config(rank: usize, setup: &Setup, policy: FastPathPolicy) -> BackendConfig {
+    BackendConfig::new(rank)
+        .with_fast_path(policy)
+        .with_enqueue(setup.enqueue)
+        .with_init_timeout(WAIT)
+        .without_env_overrides()
+}
+
 fn backend(
     rank: usize,
     setup: &Setup,
     id: &UniqueId,
     policy: FastPathPolicy,
 ) -> anyhow::Result<NcclBackend> {
-    // Pinned: the `METRALE_COMM_*` environment must not turn `Never` into
-    // another policy or move a rank to another device.
-    let config = BackendConfig::new(rank)
-        .with_fast_path(policy)
-        .with_enqueue(setup.enqueue)
-        .with_init_timeout(WAIT)
-        .without_env_overrides();
-    NcclBackend::with_unique_id(config, id, rank, setup.world)
+    NcclBackend::with_unique_id(config(rank, setup, policy), id, rank, setup.world)
         .with_context(|| format!("backend with {policy:?}"))
 }
 
@@ -117,12 +121,7 @@ fn one_shot_backend(
     setup: &Setup,
     addr: std::net::SocketAddr,
 ) -> anyhow::Result<NcclBackend> {
-    let config = BackendConfig::new(rank)
-        .with_fast_path(FastPathPolicy::Never)
-        .with_one_shot(OneShotPolicy::Always)
-        .with_enqueue(setup.enqueue)
-        .with_init_timeout(WAIT)
-        .without_env_overrides();
+    let config = config(rank, setup, FastPathPolicy::Never).with_one_shot(OneShotPolicy::Always);
     let rdzv = TcpRendezvous::new(rank, setup.world, addr, None, WAIT)
         .context("the one-shot backend's store")?;
     let b = NcclBackend::new(config, Box::new(rdzv)).context("backend with the one-shot path")?;

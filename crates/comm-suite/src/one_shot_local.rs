@@ -147,24 +147,21 @@ impl LocalOneShot {
             r < self.k && (1..=self.max_elems()).contains(&n) && lane < 2,
             "rank {r}, {n} values, lane {lane}"
         );
-        let (grid, block) = kernels::one_shot_launch_config(n as u64);
-        let (mut ctrl, mut data, mut n, mut lane) = (
-            self.ctrl[r].device_ptr(),
-            self.data[r].device_ptr(),
-            n as u64,
-            lane,
-        );
-        let mut params = [
-            (&mut ctrl as *mut u64).cast(),
-            (&mut data as *mut u64).cast(),
-            (&mut n as *mut u64).cast(),
-            (&mut lane as *mut u32).cast(),
-        ];
-        // SAFETY: the parameters match the kernel's (ctrl, data, n, lane);
-        // `ctrl` is this rank's control block, naming live receive buffers
-        // of this context; `data` holds at least `n` values; all stay
-        // allocated until `self` is dropped, after every stream is idle.
-        unsafe { f.launch(grid, block, 0, self.streams[r].raw(), &mut params) }?;
+        // SAFETY: `f` is the one-shot entry point of this context (this
+        // function's contract); `ctrl` is this rank's control block, laid
+        // out by `one_shot_ctrl`, naming live receive buffers of this
+        // context; `data` holds at least `n` values; all stay allocated
+        // until `self` is dropped, after every stream is idle.
+        unsafe {
+            kernels::launch_one_shot(
+                f,
+                self.ctrl[r].device_ptr(),
+                self.data[r].device_ptr(),
+                n,
+                lane,
+                self.streams[r].raw(),
+            )
+        }?;
         Ok(())
     }
 

@@ -153,6 +153,64 @@ pub fn one_shot_sum(inputs: &[Vec<half::bf16>]) -> Result<Vec<half::bf16>, Strin
         .collect())
 }
 
+/// Launches the bf16 add kernel ([`BF16_ADD_NAME`]): `dst[i] += src[i]`
+/// for `i < n`, on [`launch_config`]'s grid.
+///
+/// # Safety
+/// `kernel` takes `(bf16* dst, const bf16* src, u64 n)`; `dst` and `src` are
+/// device memory of `ctx` valid for `n` elements; `stream` is a live stream of
+/// `ctx`.
+pub unsafe fn launch_add(
+    ctx: &nccl_safe::Context,
+    kernel: cuda_sys::CUfunction,
+    dst: u64,
+    src: u64,
+    n: u64,
+    stream: cuda_sys::CUstream,
+) -> nccl_safe::Result<()> {
+    let (grid, block) = launch_config(n);
+    let (mut dst, mut src, mut n) = (dst, src, n);
+    let mut params = [
+        (&mut dst as *mut u64).cast::<std::ffi::c_void>(),
+        (&mut src as *mut u64).cast::<std::ffi::c_void>(),
+        (&mut n as *mut u64).cast::<std::ffi::c_void>(),
+    ];
+    // SAFETY: the parameters match the kernel's signature and live through
+    // the call, which copies them; the rest is this function's contract.
+    unsafe { nccl_safe::launch_raw(ctx, kernel, grid, block, 0, stream, &mut params) }
+}
+
+/// Launches the one-shot kernel (`kernel`, [`BF16_ONE_SHOT_NAME`] of
+/// [`BF16_ONE_SHOT_PTX`]) on `n` values at `data`, on lane `lane`, on
+/// [`one_shot_launch_config`]'s grid.
+///
+/// # Safety
+/// `data` is device memory of the kernel's context valid for `n` bf16
+/// values until the work completes, `ctrl` a control block written as
+/// [`one_shot_ctrl`] lays it out, whose receive buffers stay allocated and
+/// mapped until the work completes, `stream` a live stream of that
+/// context.
+pub unsafe fn launch_one_shot(
+    kernel: &nccl_safe::Function,
+    ctrl: u64,
+    data: u64,
+    n: usize,
+    lane: u32,
+    stream: cuda_sys::CUstream,
+) -> nccl_safe::Result<()> {
+    let (grid, block) = one_shot_launch_config(n as u64);
+    let (mut ctrl, mut data, mut n, mut lane) = (ctrl, data, n as u64, lane);
+    let mut params = [
+        (&mut ctrl as *mut u64).cast::<std::ffi::c_void>(),
+        (&mut data as *mut u64).cast::<std::ffi::c_void>(),
+        (&mut n as *mut u64).cast::<std::ffi::c_void>(),
+        (&mut lane as *mut u32).cast::<std::ffi::c_void>(),
+    ];
+    // SAFETY: the parameters match the kernel's signature and live through
+    // the call, which copies them; the rest is this function's contract.
+    unsafe { kernel.launch(grid, block, 0, stream, &mut params) }
+}
+
 /// bf16 values per vectorised (16-byte) load.
 const VALUES_PER_LOAD: u64 = 8;
 

@@ -18,10 +18,8 @@
 //! - Its reuse is ordered: every fast path records `scratch_free` after its
 //!   last add, and a fast path on another stream waits for it first.
 
-use std::ffi::c_void;
-
 use cuda_sys::CUstream;
-use nccl_safe::{Context, DataType, DeviceBuffer, ReduceOp};
+use nccl_safe::{DataType, DeviceBuffer, ReduceOp};
 
 use super::{Inner, Slot};
 use crate::kernels;
@@ -138,7 +136,7 @@ impl Inner {
             // SAFETY: the kernel has the documented add signature (bundled,
             // or the engine's under `AddKernel::from_raw`'s contract) and
             // both ranges hold `len` bf16 elements.
-            unsafe { launch_add(&self.ctx, kernel, chunk, scratch, len as u64, stream)? };
+            unsafe { kernels::launch_add(&self.ctx, kernel, chunk, scratch, len as u64, stream)? };
             off += len;
         }
         // SAFETY: as above.
@@ -169,30 +167,4 @@ impl Inner {
             }
         }
     }
-}
-
-/// Launches the bf16 add kernel: `dst[i] += src[i]` for `i < n`.
-///
-/// # Safety
-/// `kernel` takes `(bf16* dst, const bf16* src, u64 n)`; `dst` and `src` are
-/// device memory of `ctx` valid for `n` elements; `stream` is a live stream of
-/// `ctx`.
-unsafe fn launch_add(
-    ctx: &Context,
-    kernel: cuda_sys::CUfunction,
-    dst: u64,
-    src: u64,
-    n: u64,
-    stream: CUstream,
-) -> nccl_safe::Result<()> {
-    let (grid, block) = kernels::launch_config(n);
-    let (mut dst, mut src, mut n) = (dst, src, n);
-    let mut params = [
-        (&mut dst as *mut u64).cast::<c_void>(),
-        (&mut src as *mut u64).cast::<c_void>(),
-        (&mut n as *mut u64).cast::<c_void>(),
-    ];
-    // SAFETY: the parameters match the kernel's signature and live through
-    // the call, which copies them; the rest is this function's contract.
-    unsafe { nccl_safe::launch_raw(ctx, kernel, grid, block, 0, stream, &mut params) }
 }

@@ -58,7 +58,6 @@
 //!   reconnect or shutdown (their control block is gone), as with NCCL's
 //!   captured collectives on a destroyed communicator.
 
-use std::ffi::c_void;
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -242,7 +241,9 @@ impl Inner {
             // SAFETY: the range lies inside the caller's view of bf16 values
             // on this context; `ctrl` is this rank's set-up control block,
             // which lives until the release waited for this work.
-            unsafe { launch(&kernel, ctrl, ptr + (off * 2) as u64, len, lane, stream)? };
+            unsafe {
+                kernels::launch_one_shot(&kernel, ctrl, ptr + (off * 2) as u64, len, lane, stream)?
+            };
             off += len;
         }
         if !captured {
@@ -339,33 +340,6 @@ impl Inner {
             std::mem::forget(live);
         }
     }
-}
-
-/// Launches the one-shot kernel on `n` values at `data`.
-///
-/// # Safety
-/// `data` is device memory of the kernel's context valid for `n` bf16
-/// values until the work completes, `ctrl` the control block the set-up
-/// wrote, `stream` a live stream of that context.
-unsafe fn launch(
-    kernel: &Function,
-    ctrl: u64,
-    data: u64,
-    n: usize,
-    lane: u32,
-    stream: CUstream,
-) -> nccl_safe::Result<()> {
-    let (grid, block) = kernels::one_shot_launch_config(n as u64);
-    let (mut ctrl, mut data, mut n, mut lane) = (ctrl, data, n as u64, lane);
-    let mut params = [
-        (&mut ctrl as *mut u64).cast::<c_void>(),
-        (&mut data as *mut u64).cast::<c_void>(),
-        (&mut n as *mut u64).cast::<c_void>(),
-        (&mut lane as *mut u32).cast::<c_void>(),
-    ];
-    // SAFETY: the parameters match the kernel's signature and live through
-    // the call, which copies them; the rest is this function's contract.
-    unsafe { kernel.launch(grid, block, 0, stream, &mut params) }
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use std::time::Instant;
 use half::bf16;
 use nccl_safe::{Context, DataType, DeviceBuffer, HostWords, IpcHandle, IpcMapping, ReduceOp};
 
-use super::{LANE_EAGER, LANE_GRAPH, Live, MAX_RANKS, PeerMem, SENTINEL, launch, slot_bytes_for};
+use super::{LANE_EAGER, LANE_GRAPH, Live, MAX_RANKS, PeerMem, SENTINEL, slot_bytes_for};
 use crate::backend::Result;
 use crate::config::OneShotPolicy;
 use crate::error::CommError;
@@ -380,7 +380,7 @@ impl Inner {
             // SAFETY: the probe buffer holds PROBE_ELEMS values of this
             // context; the control block is set up; our own stream.
             let launched = unsafe {
-                launch(
+                kernels::launch_one_shot(
                     kernel,
                     live.ctrl.device_ptr(),
                     buf.device_ptr(),
