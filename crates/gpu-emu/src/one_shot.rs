@@ -8,8 +8,8 @@
 //! from the GPU kernel:
 //! - the control block at `ctrl` (136 bytes: peer buffers, the host-pinned
 //!   abort and status words, the spin bound, rank, world, slot size, two
-//!   lanes of epoch, arrival count and owner, the `failed` word) is read and
-//!   written in place;
+//!   lanes of a claim word (owner tag and epoch) and an arrival count, the
+//!   `failed` word) is read and written in place;
 //! - the push of the (sentinel-replaced) input into slot `rank` of every
 //!   peer's buffer, then the wait for every peer's slot in its own buffer,
 //!   the f32 sum in rank order, the clear back to the sentinel and the bf16
@@ -63,7 +63,7 @@ const STATUS_ABORTED: u32 = 2;
 const STATUS_CONCURRENT: u32 = 3;
 const STATUS_BAD_LAUNCH: u32 = 4;
 
-/// Owner ids of launches (the GPU's `%gridid | 1 << 63`).
+/// Launch numbers (the GPU's `%gridid`), from which owner tags are made.
 static LAUNCHES: AtomicU64 = AtomicU64::new(1);
 
 /// The word of emulated memory at `addr`.
@@ -185,12 +185,12 @@ pub(crate) fn launcher(
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
     Ok(Arc::new(move || {
-        let id = LAUNCHES.fetch_add(1, Ordering::Relaxed) | (1 << 63);
+        let tag = tag(LAUNCHES.fetch_add(1, Ordering::Relaxed));
         Box::new(move || {
             if driver::sticky(dev).is_err() {
                 return;
             }
-            if run(ctrl, data, n, lane, id).is_none() {
+            if run(ctrl, data, n, lane, tag).is_none() {
                 memory::illegal_address(dev, NAME, data, bytes);
             }
         })
@@ -240,7 +240,14 @@ fn failed(ctrl: u64) -> Option<u32> {
 }
 
 /// One execution; `None` when memory it needed was not allocated.
-fn run(ctrl: u64, data: u64, n: usize, lane: u32, id: u64) -> Option<()> {
+/// A launch's owner tag (`os_tag`): `v` = its number mod 2^28 and its
+/// complement, `v | !v << 28`, 28 bits set in every tag.
+fn tag(launch: u64) -> u64 {
+    let v = launch & 0xFFF_FFFF;
+    v | ((!v & 0xFFF_FFFF) << 28)
+}
+
+fn run(ctrl: u64, data: u64, n: usize, lane: u32, tag: u64) -> Option<()> {
     let t0 = Instant::now();
     let ctrl_span = Span::device(ctrl, CTRL_BYTES);
     // SAFETY: the span holds the control block for the read.
@@ -260,14 +267,14 @@ fn run(ctrl: u64, data: u64, n: usize, lane: u32, id: u64) -> Option<()> {
         return Some(());
     }
     let lane_at = ctrl + OFF_LANES + LANE_BYTES * u64::from(lane);
-    // SAFETY: the lane's epoch and owner lie inside the control block,
-    // which the span holds.
+    // The claim (`bf16_one_shot.cu`): an OR of the launch's tag that finds
+    // no tag there (the emulator runs a launch's blocks as one, so none of
+    // them finds its own launch's tag).
+    // SAFETY: the lane's claim word (owner tag << 8 | epoch mod 256) lies
+    // inside the control block, which the span holds.
     let taken = memory::access(&[ctrl_span], || unsafe {
-        match word64(lane_at + 8).compare_exchange(0, id, Ordering::AcqRel, Ordering::Acquire) {
-            Ok(_) => Some(word(lane_at).load(Ordering::Acquire)),
-            Err(prev) if prev == id => Some(word(lane_at).load(Ordering::Acquire)),
-            Err(_) => None,
-        }
+        let old = word64(lane_at).fetch_or(tag << 8, Ordering::AcqRel);
+        (old >> 8 == 0).then_some((old & 0xFF) as u32)
     })?;
     let Some(epoch) = taken else {
         return fail(STATUS_CONCURRENT);
@@ -373,17 +380,40 @@ fn run(ctrl: u64, data: u64, n: usize, lane: u32, id: u64) -> Option<()> {
         }
     }
 
-    // 4. Advance the epoch and free the lane.
+    // 4. Free the lane at the next epoch, in one store.
     // SAFETY: the lane lies inside the control block (the span).
     memory::access(&[ctrl_span], || unsafe {
-        word(lane_at).store(epoch.wrapping_add(1), Ordering::Release);
-        word64(lane_at + 8).store(0, Ordering::Release);
+        word64(lane_at).store(u64::from((epoch + 1) & 0xFF), Ordering::Release);
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn no_tag_is_zero_nor_the_or_of_two_others() {
+        let launches = [
+            0u64,
+            1,
+            2,
+            3,
+            4,
+            7,
+            0xFFF_FFFF,
+            0x1000_0000,
+            0x1234_5678_9abc,
+        ];
+        for &a in &launches {
+            assert_eq!(tag(a).count_ones(), 28, "tag of {a}");
+            assert!(tag(a) >> 56 == 0, "the tag fits above an 8-bit epoch");
+            for &b in &launches {
+                if a % (1 << 28) != b % (1 << 28) {
+                    assert!((tag(a) | tag(b)).count_ones() > 28, "{a} | {b}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn units_round_trip_and_pad_with_zero() {

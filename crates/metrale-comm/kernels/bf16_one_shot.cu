@@ -14,6 +14,11 @@
 //   call every 32-bit word of it is the sentinel 0x80000000 (the bf16 pair
 //   (+0.0, -0.0)).
 //   A call on lane L uses half (epoch of L) & 1. Each rank
+//     0. claims the lane: thread 0 of every block ORs the launch's owner tag
+//        into the lane's claim word (tag << 8 | epoch mod 256), one atomic
+//        that also returns the epoch; the block goes on if the word held no
+//        tag or exactly this launch's tag (another of its blocks came
+//        first), and otherwise records the concurrent-use status;
 //     1. pushes its input, 16 bytes at a time, into slot `rank` of that half
 //        of every peer's buffer, after replacing the word 0x80000000 by 0
 //        (so its data never looks like the sentinel);
@@ -22,8 +27,13 @@
 //        no word is the sentinel, writes the sentinel back (the slot is clean
 //        for the call that uses this half next), and adds in f32;
 //     3. rounds the f32 sums to bf16 (nearest even) into the data, in place;
-//     4. counts its block as arrived; the last block increments the epoch
-//        and frees the lane.
+//     4. frees the lane at the next epoch with one store of the claim word,
+//        from the last block to arrive (a one-block call counts nothing).
+//   The path from launch to push is one round trip to device memory (the
+//   claim, with `failed`, the control block and the input loaded beside
+//   it), and the end has no fence: the next call on a lane is ordered after
+//   this one by its stream or graph, and a kernel's writes are performed
+//   before the work after it starts.
 //   A peer can only be one call ahead: it finishes call k only after this
 //   rank's push for k, so its push for k + 1 goes to the other half, and its
 //   push for k + 2 comes after this rank's call k + 1 started, i.e. after this
@@ -43,9 +53,11 @@
 // memory) and mirrored into the host-pinned status word for the host. A
 // kernel that finds `failed` set, or its lane held by another call (two
 // one-shots at once on one lane of one rank: the backend's ordering rule
-// broken), records one and exits without touching any buffer. After a
-// status is set the path stays failed until the backend sets it up again
-// (reconnect).
+// broken), records one and exits without touching any buffer; its OR
+// leaves no valid tag in the claim word, so blocks of the holding call yet
+// to claim fail too, and a peer waiting for their part times out rather
+// than finishing on partial data. After a status is set the path stays
+// failed until the backend sets it up again (reconnect).
 //
 // No read of host memory is on the path of a call that does not wait: one
 // read over PCIe costs microseconds, and one per block at the start of
@@ -60,7 +72,7 @@
 //           data  device pointer to n bf16 values, read and written in place;
 //           n     element count, 1 <= n, n * 2 <= ctrl->slot_bytes;
 //           lane  0 (eager) or 1 (captured into a graph).
-//   block:  OS_BLOCK (512) threads in x, or fewer; any grid size is correct
+//   block:  8 to OS_BLOCK (512) threads in x; any grid size is correct
 //           (grid-stride loops); the host uses at most 32 blocks so that
 //           spinning calls never fill the GPU.
 //   shared memory: static only.
@@ -82,9 +94,9 @@
 
 // One lane's state, in this rank's device memory.
 struct OsLane {
-    unsigned int epoch;        // calls completed on the lane since set-up
+    unsigned long long claim;  // owner tag << 8 | epoch mod 256; free: tag 0
     unsigned int arrived;      // blocks of the running call that finished
-    unsigned long long owner;  // the running call (%gridid | 1 << 63), 0: free
+    unsigned int pad;
 };
 
 // This rank's control block (136 bytes), in its device memory; the host
@@ -109,11 +121,27 @@ __device__ __forceinline__ unsigned long long os_clock()
     return t;
 }
 
-__device__ __forceinline__ unsigned long long os_gridid()
+// This launch's owner tag, in the high 56 bits of a lane's claim word:
+// v = %gridid mod 2^28 (a new number for every launch in the context) and
+// its complement, v | ~v << 28. Every tag has exactly 28 bits set, so no
+// tag is 0 and the OR of two different tags is no tag. Two launches alike
+// in it are 2^28 launches apart, never running at once.
+__device__ __forceinline__ unsigned long long os_tag()
 {
     unsigned long long g;
     asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
-    return g;
+    const unsigned long long v = g & 0xFFFFFFFull;
+    return v | ((~v & 0xFFFFFFFull) << 28);
+}
+
+__device__ __forceinline__ unsigned int os_ld32(const unsigned int* addr)
+{
+    return *reinterpret_cast<const volatile unsigned int*>(addr);
+}
+
+__device__ __forceinline__ unsigned long long os_ld64(const unsigned long long* addr)
+{
+    return *reinterpret_cast<const volatile unsigned long long*>(addr);
 }
 
 __device__ __forceinline__ uint4 os_ld(unsigned long long addr)
@@ -244,32 +272,53 @@ bf16_one_shot_all_reduce(OsCtrl* ctrl, unsigned short* data, unsigned long long 
     __shared__ unsigned int s_go;
     __shared__ unsigned long long s_peer[OS_MAX_RANKS];
 
-    volatile unsigned int* flags = reinterpret_cast<volatile unsigned int*>(ctrl->flags);
+    const unsigned long long t0 = os_clock();
+    // Everything the call's start reads is loaded at once, with no load
+    // depending on another: `failed` and the lane's claim word (thread 0),
+    // the control block's fixed words and every thread's first input unit
+    // (`data` holds `n` values by the launch contract).
+    OsLane* l = &ctrl->lane[lane & 1u];
     unsigned int* failed = &ctrl->failed;
+    // Every block claims the lane with one atomic OR of the launch's tag,
+    // which also returns the epoch: the lane is this launch's if the word
+    // held no tag (this block is the first) or exactly this launch's tag
+    // (another of its blocks was). Any other word means another launch
+    // holds the lane, and the OR leaves no valid tag in it.
+    const unsigned long long tag = os_tag();
+    unsigned int f = 0u;
+    unsigned long long w = 0ull;
+    if (threadIdx.x == 0) {
+        f = os_ld32(failed);
+        w = atomicOr(&l->claim, tag << 8);
+    }
+    volatile unsigned int* flags = reinterpret_cast<volatile unsigned int*>(ctrl->flags);
     const unsigned int world = ctrl->world;
     const unsigned int rank = ctrl->rank;
     const unsigned long long slot = ctrl->slot_bytes;
     const unsigned long long timeout = ctrl->timeout_ns;
-    const unsigned long long t0 = os_clock();
+    const unsigned long long units = (n + 7ull) / 8ull;
+    const bool aligned = (reinterpret_cast<unsigned long long>(data) & 15ull) == 0ull;
+    const unsigned long long tid = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    const bool bad = lane > 1u || world < 2u || world > OS_MAX_RANKS || rank >= world ||
+                     n == 0ull || n * 2ull > slot || (slot & 15ull) != 0ull;
+    uint4 first = make_uint4(0u, 0u, 0u, 0u);
+    if (tid < units) {
+        first = os_canon(os_load(data, n, tid, aligned));
+    }
 
     if (threadIdx.x == 0) {
-        unsigned int go = 1u;
-        if (lane > 1u || world < 2u || world > OS_MAX_RANKS || rank >= world || n == 0ull ||
-            n * 2ull > slot || (slot & 15ull) != 0ull) {
+        unsigned int go = 0u;
+        if (bad) {
             os_fail(failed, flags, OS_STATUS_BAD_LAUNCH);
-            go = 0u;
-        } else if (*reinterpret_cast<volatile unsigned int*>(failed) != 0u) {
-            go = 0u;
-        } else {
-            const unsigned long long me = os_gridid() | (1ull << 63);
-            const unsigned long long prev = atomicCAS(&ctrl->lane[lane].owner, 0ull, me);
-            if (prev != 0ull && prev != me) {
+        } else if (f == 0u) {
+            go = ((w >> 8) == 0ull || (w >> 8) == tag) ? 1u : 0u;
+            if (go == 0u) {
                 os_fail(failed, flags, OS_STATUS_CONCURRENT);
-                go = 0u;
             }
         }
         s_go = go;
-        s_epoch = go ? *reinterpret_cast<volatile unsigned int*>(&ctrl->lane[lane].epoch) : 0u;
+        s_epoch = (unsigned int)(w & 0xFFull);
     }
     if (threadIdx.x < OS_MAX_RANKS) {
         s_peer[threadIdx.x] = ctrl->peer[threadIdx.x];
@@ -281,14 +330,10 @@ bf16_one_shot_all_reduce(OsCtrl* ctrl, unsigned short* data, unsigned long long 
 
     const unsigned long long half = s_epoch & 1u;
     const unsigned long long region = (lane * 2ull + half) * world * slot;
-    const unsigned long long units = (n + 7ull) / 8ull;
-    const bool aligned = (reinterpret_cast<unsigned long long>(data) & 15ull) == 0ull;
-    const unsigned long long tid = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
 
     // 1. Push this rank's contribution into slot `rank` of every peer.
     for (unsigned long long u = tid; u < units; u += stride) {
-        const uint4 v = os_canon(os_load(data, n, u, aligned));
+        const uint4 v = u == tid ? first : os_canon(os_load(data, n, u, aligned));
         for (unsigned int p = 0; p < world; ++p) {
             if (p != rank) {
                 os_st(s_peer[p] + region + rank * slot + u * 16ull, v);
@@ -306,14 +351,14 @@ bf16_one_shot_all_reduce(OsCtrl* ctrl, unsigned short* data, unsigned long long 
         for (unsigned int p = 0; p < world && !bail; ++p) {
             uint4 v;
             if (p == rank) {
-                v = os_canon(os_load(data, n, u, aligned));
+                v = u == tid ? first : os_canon(os_load(data, n, u, aligned));
             } else {
                 const unsigned long long src = mine + p * slot + u * 16ull;
                 v = os_ld(src);
                 while (!os_arrived(v)) {
                     if (++spins % OS_POLL_EVERY == 0u) {
                         const unsigned long long waited = os_clock() - t0;
-                        if (*reinterpret_cast<volatile unsigned int*>(failed) != 0u) {
+                        if (os_ld32(failed) != 0u) {
                             bail = true;
                         } else if (waited > OS_HOST_POLL_AFTER_NS && flags[0] != 0u) {
                             os_fail(failed, flags, OS_STATUS_ABORTED);
@@ -345,18 +390,23 @@ bf16_one_shot_all_reduce(OsCtrl* ctrl, unsigned short* data, unsigned long long 
         }
     }
 
-    // 4. The last block to arrive advances the epoch and frees the lane.
+    // 4. The last block to arrive frees the lane at the next epoch, in one
+    // store; a one-block call needs no count. No fence: the next call on
+    // the lane is ordered after this one by its stream (or graph), and a
+    // kernel's writes are performed before the work after it starts.
     if (__syncthreads_or(bail ? 1 : 0)) {
         return;
     }
     if (threadIdx.x == 0) {
-        __threadfence();
-        const unsigned int done = atomicAdd(&ctrl->lane[lane].arrived, 1u);
-        if (done == gridDim.x - 1u) {
-            ctrl->lane[lane].arrived = 0u;
-            ctrl->lane[lane].epoch = s_epoch + 1u;
-            __threadfence();
-            atomicExch(&ctrl->lane[lane].owner, 0ull);
+        bool last = true;
+        if (gridDim.x > 1u) {
+            last = atomicAdd(&l->arrived, 1u) == gridDim.x - 1u;
+            if (last) {
+                l->arrived = 0u;
+            }
+        }
+        if (last) {
+            atomicExch(&l->claim, (unsigned long long)((s_epoch + 1u) & 0xFFu));
         }
     }
 }

@@ -35,7 +35,8 @@
 //!   the concurrent-use status, which poisons the backend, instead of
 //!   corrupting a sum.
 //! - Nothing waits on the host and no kernel argument changes between
-//!   replays: epochs, owners and flags live in device and pinned memory.
+//!   replays: the lanes' claim words (owner and epoch) live in device
+//!   memory, the abort and status words in pinned memory.
 //! - Every spin is bounded: by the collective timeout plus
 //!   [`KERNEL_GRACE`] (the kernel's own clock; the watchdog's deadline on
 //!   eager work comes first), and by the abort word, which poisoning,
