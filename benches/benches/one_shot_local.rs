@@ -33,7 +33,7 @@ use nccl_safe::{Context, DeviceBuffer, GraphExec, Module, Stream};
 const GRAPH_CALLS: u64 = 20;
 /// The slot (the largest call).
 const SLOT_BYTES: usize = 1 << 20;
-const SIZES: [usize; 5] = [8, 1 << 10, 16 << 10, 256 << 10, 1 << 20];
+const SIZES: [usize; 6] = [8, 1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20];
 
 fn one_shot_local(c: &mut Criterion) {
     if let Err(e) = nccl_safe::device_count() {

@@ -29,7 +29,8 @@ pub const LANE_EAGER: u32 = 0;
 /// `k` ranks of the one-shot kernel simulated on one device: each has its
 /// own receive buffer, control block, pinned flags (abort, status), data
 /// buffer of one slot and stream, and every control block names the
-/// others' buffers by address.
+/// others' buffers by address; one side stream runs a second call of any
+/// rank beside its first.
 pub struct LocalOneShot {
     k: usize,
     slot_bytes: usize,
@@ -38,6 +39,7 @@ pub struct LocalOneShot {
     flags: Vec<HostWords>,
     data: Vec<DeviceBuffer<bf16>>,
     streams: Vec<Stream>,
+    side: Stream,
 }
 
 impl Drop for LocalOneShot {
@@ -49,6 +51,9 @@ impl Drop for LocalOneShot {
             if let Err(e) = s.wait_until_idle(WAIT) {
                 tracing::error!("rank {r}'s one-shot kernels did not end before the free: {e}");
             }
+        }
+        if let Err(e) = self.side.wait_until_idle(WAIT) {
+            tracing::error!("the side stream's one-shot kernels did not end before the free: {e}");
         }
     }
 }
@@ -100,6 +105,7 @@ impl LocalOneShot {
             flags,
             data,
             streams,
+            side: Stream::new(c)?,
         })
     }
 
@@ -143,6 +149,24 @@ impl LocalOneShot {
     /// Launches rank `r`'s kernel (`f`, the one-shot entry point of this
     /// context) on `n <= max_elems()` values on its stream.
     pub fn launch(&self, f: &Function, r: usize, n: usize, lane: u32) -> anyhow::Result<()> {
+        self.launch_on(f, r, n, lane, &self.streams[r])
+    }
+
+    /// As [`LocalOneShot::launch`], on the value's side stream instead of
+    /// the rank's own: a second call on a lane while one runs there is how
+    /// the kernel's concurrent-use status is reached.
+    pub fn launch_side(&self, f: &Function, r: usize, n: usize, lane: u32) -> anyhow::Result<()> {
+        self.launch_on(f, r, n, lane, &self.side)
+    }
+
+    fn launch_on(
+        &self,
+        f: &Function,
+        r: usize,
+        n: usize,
+        lane: u32,
+        stream: &Stream,
+    ) -> anyhow::Result<()> {
         ensure!(
             r < self.k && (1..=self.max_elems()).contains(&n) && lane < 2,
             "rank {r}, {n} values, lane {lane}"
@@ -151,7 +175,8 @@ impl LocalOneShot {
         // function's contract); `ctrl` is this rank's control block, laid
         // out by `one_shot_ctrl`, naming live receive buffers of this
         // context; `data` holds at least `n` values; all stay allocated
-        // until `self` is dropped, after every stream is idle.
+        // until `self` is dropped, after every stream (the side stream
+        // too) is idle.
         unsafe {
             kernels::launch_one_shot(
                 f,
@@ -159,7 +184,7 @@ impl LocalOneShot {
                 self.data[r].device_ptr(),
                 n,
                 lane,
-                self.streams[r].raw(),
+                stream.raw(),
             )
         }?;
         Ok(())
@@ -170,8 +195,10 @@ impl LocalOneShot {
         (0..self.k).try_for_each(|r| self.launch(f, r, n, lane))
     }
 
-    /// Waits for every rank's stream; fails if any kernel set a status.
+    /// Waits for every rank's stream and the side stream; fails if any
+    /// kernel set a status.
     pub fn wait(&self) -> anyhow::Result<()> {
+        self.side.wait_until_idle(WAIT)?;
         for s in &self.streams {
             s.wait_until_idle(WAIT)?;
         }
@@ -183,6 +210,11 @@ impl LocalOneShot {
             );
         }
         Ok(())
+    }
+
+    /// Rank `r`'s data buffer, on the host.
+    pub fn output(&self, r: usize) -> anyhow::Result<Vec<bf16>> {
+        Ok(self.data[r].to_host_vec()?)
     }
 
     /// Checks every rank's first `n` values against the reference of
@@ -210,6 +242,7 @@ impl LocalOneShot {
     /// (which never launched) ended with `status`, within 20 s of `what`.
     pub fn expect_status(&self, status: u32, what: &str) -> anyhow::Result<()> {
         let t = Instant::now();
+        self.side.wait_until_idle(WAIT)?;
         for s in &self.streams {
             s.wait_until_idle(WAIT)?;
         }

@@ -8,8 +8,10 @@
 //! size of one slot with odd counts, three calls per size so both halves
 //! and the epochs turn over, the graph lane captured once and replayed
 //! with new data, a rank that never arrives (every other rank's kernel
-//! gives up on its own clock with the timeout status) and the abort word
-//! (every kernel exits with the aborted status).
+//! gives up on its own clock with the timeout status), the abort word
+//! (every kernel exits with the aborted status), and a second call on a
+//! lane while one runs there (it records the concurrent-use status and
+//! writes nothing, and the running call gives up with it).
 //!
 //! Invariants: every element of every rank's output equals the host
 //! reference (`kernels::one_shot_sum`) bit for bit; the inputs are random
@@ -22,7 +24,7 @@ use metrale_comm::kernels;
 use nccl_safe::Module;
 
 use crate::RankCtx;
-use crate::one_shot_local::{LANE_EAGER, LocalOneShot};
+use crate::one_shot_local::{LANE_EAGER, LANE_GRAPH, LocalOneShot};
 
 /// Bytes of one slot: small, so that 8 ranks' buffers stay small.
 const SLOT_BYTES: usize = 64 << 10;
@@ -31,6 +33,7 @@ const SIZES: &[usize] = &[1, 2, 3, 7, 8, 9, 255, 4097, 16_383, SLOT_BYTES / 2];
 /// The kernel's statuses (`OS_STATUS_*` in `bf16_one_shot.cu`).
 const STATUS_TIMEOUT: u32 = 1;
 const STATUS_ABORTED: u32 = 2;
+const STATUS_CONCURRENT: u32 = 3;
 
 /// See the module docs.
 pub fn kernel_one_device(ctx: &RankCtx) -> anyhow::Result<()> {
@@ -88,6 +91,65 @@ pub fn kernel_one_device(ctx: &RankCtx) -> anyhow::Result<()> {
             ranks.flags(r).store(0, 1);
         }
         ranks.expect_status(STATUS_ABORTED, "the abort word")?;
+        drop(ranks);
+
+        // 255 values are one block, 4097 two: the second block finds the
+        // lane claimed by its own launch and goes on.
+        for lane in [LANE_EAGER, LANE_GRAPH] {
+            for n in [255, 4097] {
+                ctx.step(format!(
+                    "{k} ranks, a second call on held lane {lane}, {n} values"
+                ));
+                second_call_on_a_held_lane(&c, &f, k, lane, n, seed)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Rank 0 of `k` starts a call on `lane` that waits (no peer launches),
+/// then a second call on the same lane from another stream: the second
+/// finds the lane claimed, records the concurrent-use status and touches
+/// nothing; the first sees the status and gives up; no rank's data is
+/// written.
+fn second_call_on_a_held_lane(
+    c: &std::sync::Arc<nccl_safe::Context>,
+    f: &nccl_safe::Function,
+    k: usize,
+    lane: u32,
+    n: usize,
+    seed: u64,
+) -> anyhow::Result<()> {
+    let mut ranks = LocalOneShot::new(c, k, SLOT_BYTES, Duration::from_secs(30))?;
+    let inputs = ranks.fill(seed ^ 0xc0c0 ^ u64::from(lane), n)?;
+    ranks.launch(f, 0, n, lane)?;
+    std::thread::sleep(Duration::from_millis(50));
+    ranks.launch_side(f, 0, n, lane)?;
+    let t = std::time::Instant::now();
+    let waited = ranks.wait();
+    let took = t.elapsed();
+    anyhow::ensure!(
+        waited.is_err(),
+        "{k} ranks, lane {lane}, {n} values: a second call on a held lane set no status"
+    );
+    let status: Vec<u32> = (0..k).map(|r| ranks.flags(r).load(1)).collect();
+    anyhow::ensure!(
+        status[0] == STATUS_CONCURRENT && status[1..].iter().all(|&s| s == 0),
+        "{k} ranks, lane {lane}, {n} values: statuses {status:?}, want [{STATUS_CONCURRENT}, 0, ...]"
+    );
+    anyhow::ensure!(
+        took < Duration::from_secs(20),
+        "{k} ranks, lane {lane}: the calls took {took:?} to end"
+    );
+    for (r, want) in inputs.iter().enumerate() {
+        let got = ranks.output(r)?;
+        if let Some(i) = (0..n).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+            anyhow::bail!(
+                "{k} ranks, lane {lane}: rank {r}'s element {i} was written ({:#06x}, was {:#06x})",
+                got[i].to_bits(),
+                want[i].to_bits()
+            );
+        }
     }
     Ok(())
 }
