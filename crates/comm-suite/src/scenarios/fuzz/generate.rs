@@ -156,7 +156,9 @@ pub(super) fn generate(seed: u64, world: usize) -> Program {
                 Policy::Never,
                 Policy::Default,
                 Policy::Chunked,
-            ][g.below(4)],
+                Policy::OneShot,
+                Policy::OneShotAlways,
+            ][g.below(6)],
             blocking: g.chance(2, 3),
         })
         .collect();

@@ -11,7 +11,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use metrale_comm::{BackendConfig, EnqueueMode, FastPathPolicy};
+use metrale_comm::{BackendConfig, EnqueueMode, FastPathPolicy, OneShotPolicy};
 use nccl_safe::DataType;
 
 use crate::RankCtx;
@@ -31,6 +31,20 @@ pub(super) enum Policy {
     Default,
     /// Always, with a 256 KiB scratch buffer: larger payloads in chunks.
     Chunked,
+    /// The one-shot path by its default range (bf16 up to 1 MiB), the fast
+    /// path by its default, NCCL above: every path chosen by size.
+    OneShot,
+    /// The one-shot path at every size (in chunks of its slot above 1 MiB),
+    /// no fast path.
+    OneShotAlways,
+}
+
+impl Policy {
+    /// Whether the backend sets up the one-shot path (where the machine
+    /// allows it: 2 to 8 ranks with peer access).
+    pub fn one_shot(self) -> bool {
+        matches!(self, Policy::OneShot | Policy::OneShotAlways)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,10 +55,12 @@ pub(super) struct BackendSpec {
 
 impl BackendSpec {
     pub fn config(self, ctx: &RankCtx) -> BackendConfig {
-        let policy = match self.policy {
-            Policy::Always | Policy::Chunked => FastPathPolicy::Always,
-            Policy::Never => FastPathPolicy::Never,
-            Policy::Default => FastPathPolicy::DEFAULT,
+        let (policy, one_shot) = match self.policy {
+            Policy::Always | Policy::Chunked => (FastPathPolicy::Always, OneShotPolicy::Never),
+            Policy::Never => (FastPathPolicy::Never, OneShotPolicy::Never),
+            Policy::Default => (FastPathPolicy::DEFAULT, OneShotPolicy::Never),
+            Policy::OneShot => (FastPathPolicy::DEFAULT, OneShotPolicy::DEFAULT),
+            Policy::OneShotAlways => (FastPathPolicy::Never, OneShotPolicy::Always),
         };
         let mode = if self.blocking {
             EnqueueMode::Blocking
@@ -56,6 +72,7 @@ impl BackendSpec {
             .with_collective_timeout(COLLECTIVE_TIMEOUT)
             .with_init_timeout(INIT_TIMEOUT)
             .with_fast_path(policy)
+            .with_one_shot(one_shot)
             .with_enqueue(mode);
         c.shutdown_timeout = SHUTDOWN_TIMEOUT;
         if self.policy == Policy::Chunked {
@@ -72,6 +89,8 @@ impl fmt::Display for BackendSpec {
             Policy::Never => "fast path never",
             Policy::Default => "fast path by default (2-4 MiB)",
             Policy::Chunked => "fast path always, 256 KiB scratch",
+            Policy::OneShot => "one-shot up to 1 MiB, fast path by default, NCCL above",
+            Policy::OneShotAlways => "one-shot always (chunked past 1 MiB), no fast path",
         };
         let mode = if self.blocking {
             "blocking"

@@ -9,7 +9,9 @@
 //! - A normalized program never races with itself: a slot is reduced again
 //!   only on the stream that last used it or after a point where everything
 //!   was synchronized, and is deregistered or freed only after such a
-//!   point; operands exist and indices are in range.
+//!   point; operands exist and indices are in range; graphs captured on a
+//!   backend with the one-shot path replay on one stream at a time (on
+//!   another only after such a point), as that path's graph lane requires.
 //! - Inputs are small integers (`data::small_ints`, shifted to be positive
 //!   for u32); a slot or graph buffer is reduced again in place only while
 //!   every sum stays exactly representable in bf16 in any order of
@@ -69,6 +71,8 @@ struct SlotModel {
 
 struct GraphModel {
     vals: Vec<Vec<i32>>,
+    b: usize,
+    stream: usize,
 }
 
 /// `rank`'s `n` values of step `uid`, role `role`, as type `ty` holds them
@@ -231,6 +235,9 @@ pub(super) fn prepare(prog: &Program, rank: usize) -> (Program, Plan) {
     let mut plans = Vec::with_capacity(prog.steps.len());
     let mut slots: HashMap<u32, SlotModel> = HashMap::new();
     let mut graphs: HashMap<u32, GraphModel> = HashMap::new();
+    // Per one-shot backend, the stream its graphs last replayed on since
+    // the last point where everything was synchronized.
+    let mut one_shot_lane: HashMap<usize, usize> = HashMap::new();
     let nb = prog.backends.len();
     let ns = prog.streams;
     for step in &prog.steps {
@@ -432,11 +439,31 @@ pub(super) fn prepare(prog: &Program, rank: usize) -> (Program, Plan) {
                     want: None,
                     role: "graph buffer",
                 });
-                graphs.insert(uid, GraphModel { vals });
+                graphs.insert(
+                    uid,
+                    GraphModel {
+                        vals,
+                        b: *b,
+                        stream: *stream,
+                    },
+                );
                 true
             }
             Op::Replay { graph, refill } => match graphs.get_mut(graph) {
+                // A one-shot backend's graphs share its graph lane: they
+                // replay one at a time (the contract in
+                // `nccl_backend/one_shot.rs`), so on one stream, or on
+                // another only after everything was synchronized.
+                Some(g)
+                    if prog.backends[g.b].policy.one_shot()
+                        && one_shot_lane.get(&g.b).is_some_and(|&s| s != g.stream) =>
+                {
+                    false
+                }
                 Some(g) => {
+                    if prog.backends[g.b].policy.one_shot() {
+                        one_shot_lane.insert(g.b, g.stream);
+                    }
                     if !*refill && !exact_sum(&g.vals) {
                         *refill = true;
                     }
@@ -453,6 +480,7 @@ pub(super) fn prepare(prog: &Program, rank: usize) -> (Program, Plan) {
                 for m in slots.values_mut() {
                     m.last = None;
                 }
+                one_shot_lane.clear();
                 snapshot(&slots, &graphs, rank, &mut plan);
                 true
             }
