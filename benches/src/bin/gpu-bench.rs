@@ -1,8 +1,9 @@
 //! `gpu-bench`: the host time per call, which criterion cannot take: an
 //! eager 8 B all-reduce (and, on 2 GPUs, a grouped send/recv) issued
-//! through raw NCCL and through the backend, and the single driver and NCCL
+//! through raw NCCL and through the backend, the single driver and NCCL
 //! calls each backend submission adds (`cuEventRecord`, `cuEventQuery`,
-//! `ncclCommGetAsyncError`, `cuStreamIsCapturing`).
+//! `ncclCommGetAsyncError`, `cuStreamIsCapturing`), and one launch of a
+//! small kernel (the floor of the fast path's add and of the one-shot).
 //!
 //! Why not criterion: an issue-only probe must issue a bounded batch (50
 //! calls), then wait for the GPU untimed, with every rank issuing at once.
@@ -28,10 +29,10 @@ use anyhow::{Context as _, bail};
 use half::bf16;
 use metrale_benches::Sample;
 use metrale_benches::collectives::team::{Meet, WAIT};
-use metrale_comm::{BackendConfig, CommBackend, EnqueueMode, FastPathPolicy, NcclBackend};
+use metrale_comm::{BackendConfig, CommBackend, EnqueueMode, FastPathPolicy, NcclBackend, kernels};
 use nccl_safe::{
-    Comm, Context, DataType, DeviceBuffer, DeviceView, DeviceViewMut, Event, Group, ReduceOp,
-    Stream, UniqueId,
+    Comm, Context, DataType, DeviceBuffer, DeviceView, DeviceViewMut, Event, Group, Module,
+    ReduceOp, Stream, UniqueId,
 };
 
 const HELP: &str = "\
@@ -338,6 +339,29 @@ fn host_costs(r: &Rank, opts: &Opts, meet: &Meet) -> anyhow::Result<Vec<(&'stati
         })?;
         rows.push((what, sample));
     }
+    // The floor of every kernel path (the fast path's add, the one-shot):
+    // one launch, in batches of CALLS so the driver's queue never fills.
+    let module = Module::load_ptx(&r.ctx, kernels::BF16_ADD_PTX)?;
+    let add = module.function(kernels::BF16_ADD_NAME)?;
+    let launch = || -> anyhow::Result<()> {
+        // SAFETY: `add` is the add kernel of this context; both buffers
+        // hold 4 values and outlive the trial, which waits for the stream.
+        unsafe {
+            kernels::launch_add(
+                &r.ctx,
+                add.raw(),
+                r.a.device_ptr(),
+                r.b.device_ptr(),
+                4,
+                r.stream.raw(),
+            )
+        }?;
+        Ok(())
+    };
+    let sample = host_trials(opts, meet, CALLS, launch, || {
+        Ok(r.stream.wait_until_idle(WAIT)?)
+    })?;
+    rows.push(("cuLaunchKernel (the add kernel, 4 values)", sample));
     Ok(rows)
 }
 
