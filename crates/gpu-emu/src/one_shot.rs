@@ -239,7 +239,6 @@ fn failed(ctrl: u64) -> Option<u32> {
     })
 }
 
-/// One execution; `None` when memory it needed was not allocated.
 /// A launch's owner tag (`os_tag`): `v` = its number mod 2^28 and its
 /// complement, `v | !v << 28`, 28 bits set in every tag.
 fn tag(launch: u64) -> u64 {
@@ -247,6 +246,7 @@ fn tag(launch: u64) -> u64 {
     v | ((!v & 0xFFF_FFFF) << 28)
 }
 
+/// One execution; `None` when memory it needed was not allocated.
 fn run(ctrl: u64, data: u64, n: usize, lane: u32, tag: u64) -> Option<()> {
     let t0 = Instant::now();
     let ctrl_span = Span::device(ctrl, CTRL_BYTES);

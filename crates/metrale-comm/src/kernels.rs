@@ -19,7 +19,8 @@
 //! [`BF16_ONE_SHOT_NAME`] with `(OsCtrl* ctrl, bf16* data, u64 n, u32
 //! lane)`, at most [`ONE_SHOT_BLOCK`] threads per block;
 //! [`one_shot_launch_config`] never returns more than [`ONE_SHOT_MAX_GRID`]
-//! blocks, nor an empty grid; [`one_shot_sum`] is its arithmetic on the
+//! blocks, nor an empty grid, and 32 to [`ONE_SHOT_BLOCK`] threads a
+//! block; [`one_shot_sum`] is its arithmetic on the
 //! host.
 
 /// PTX of `bf16_add_inplace`, `dst[i] = bf16(float(dst[i]) + float(src[i]))`
@@ -108,8 +109,8 @@ pub fn one_shot_ctrl(
 
 /// Grid and block for a one-shot call of `n` values: one thread per 8
 /// values; a call of at most [`ONE_SHOT_BLOCK`] threads' worth is one block
-/// of that many threads rounded up to a warp (one H200 showed a smaller
-/// block a few tens of nanoseconds faster, the one_shot_local bench),
+/// of that many threads rounded up to a warp (a few tens of nanoseconds
+/// faster than 512 on one H200: decision 0010),
 /// larger ones [`ONE_SHOT_BLOCK`] threads per block, up to
 /// [`ONE_SHOT_MAX_GRID`] blocks.
 pub fn one_shot_launch_config(n: u64) -> ((u32, u32, u32), (u32, u32, u32)) {

@@ -3,12 +3,12 @@
 //! Each program is drawn from a seed: 1-3 backends (the fast path always,
 //! never, by default, or always in small chunks; the one-shot path by its
 //! default range beside the fast path's, or at every size; blocking or
-//! non-blocking communicators), 1-3 caller streams, 1-4 threads per rank sharing the
-//! backends, and a list of steps: `all_reduce` and `all_reduce_async` on a
-//! caller stream (bf16, f16, f32), `all_gather`, `reduce_scatter`,
-//! `broadcast`, `all_to_all`, `all_to_all_v`, `barrier`, a command
-//! (`broadcast` / `recv_command_u32`), `send_to`/`recv_from` on caller
-//! streams (a grouped ring shift, or one pair), `group_start`/`group_end`
+//! non-blocking communicators), 1-3 caller streams, 1-4 threads per rank
+//! sharing the backends, and a list of steps: `all_reduce` and
+//! `all_reduce_async` on a caller stream (bf16, f16, f32), `all_gather`,
+//! `reduce_scatter`, `broadcast`, `all_to_all`, `all_to_all_v`, `barrier`,
+//! a command (`broadcast` / `recv_command_u32`), `send_to`/`recv_from` on
+//! caller streams (a grouped ring shift, or one pair), `group_start`/`group_end`
 //! around asynchronous operations, `register_buffer`/`deregister_buffer`,
 //! `symmetric_alloc`/`symmetric_free` buffers used as operands, graph
 //! capture of `all_reduce_async` on a caller stream and its replays,
