@@ -154,12 +154,7 @@ impl NcclBackend {
     ) -> Result<()> {
         let inner = &*self.inner;
         let (me, esz) = (inner.rank, send.dtype.size());
-        let info = OpInfo {
-            op,
-            dtype: send.dtype,
-            bytes: send.bytes(),
-            peer: None,
-        };
+        let info = OpInfo::collective(op, &send);
         let send_counts = send_counts.to_vec();
         let recv_counts = recv_counts.to_vec();
         self.collective(info, |comm, stream| {
@@ -218,12 +213,7 @@ impl CommBackend for NcclBackend {
         if s.len == 0 {
             return self.inner.check_usable(OP);
         }
-        let info = OpInfo {
-            op: OP,
-            dtype: s.dtype,
-            bytes: s.bytes(),
-            peer: None,
-        };
+        let info = OpInfo::collective(OP, &s);
         self.inner
             .submit(info, StreamSel::Own, false, |inner, slot, st, _| {
                 inner.all_reduce_on(slot, (s.ptr, s.len, s.dtype), st, false)
@@ -244,12 +234,7 @@ impl CommBackend for NcclBackend {
             return self.inner.check_usable(OP);
         }
         let inner = &*self.inner;
-        let info = OpInfo {
-            op: OP,
-            dtype: s.dtype,
-            bytes: s.bytes(),
-            peer: None,
-        };
+        let info = OpInfo::collective(OP, &s);
         // On the caller's stream: the reduction starts after the work queued
         // there and later work there starts after it, with no event between
         // streams; under capture it is captured there and not watched.
@@ -362,12 +347,7 @@ impl CommBackend for NcclBackend {
         if s.len == 0 {
             return self.inner.check_usable(OP);
         }
-        let info = OpInfo {
-            op: OP,
-            dtype: s.dtype,
-            bytes: s.bytes(),
-            peer: None,
-        };
+        let info = OpInfo::collective(OP, &s);
         self.collective(info, |comm, st| {
             // SAFETY: the views hold `len` and `len * world_size` elements
             // (checked); our stream.
@@ -390,12 +370,7 @@ impl CommBackend for NcclBackend {
         if r.len == 0 {
             return self.inner.check_usable(OP);
         }
-        let info = OpInfo {
-            op: OP,
-            dtype: r.dtype,
-            bytes: r.bytes(),
-            peer: None,
-        };
+        let info = OpInfo::collective(OP, &r);
         self.collective(info, |comm, st| {
             // SAFETY: sizes checked against the views; our stream.
             unsafe { comm.reduce_scatter_raw(s.ptr, r.ptr, r.len, r.dtype, ReduceOp::Sum, st) }

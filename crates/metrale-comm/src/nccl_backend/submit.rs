@@ -31,6 +31,7 @@ use crate::backend::Result;
 use crate::config::EnqueueMode;
 use crate::diagnostics::{DumpHeader, OpState};
 use crate::error::{CommError, Failure, FailureKind};
+use crate::validate::Span;
 
 /// What a thread waiting for a submission checks when its event completes:
 /// the completion counts only if the communicator the work ran on neither
@@ -216,6 +217,18 @@ pub(super) struct OpInfo {
     pub(super) dtype: DataType,
     pub(super) bytes: usize,
     pub(super) peer: Option<usize>,
+}
+
+impl OpInfo {
+    /// A collective `op` on the payload `span` (no peer).
+    pub(super) fn collective(op: &'static str, span: &Span) -> OpInfo {
+        OpInfo {
+            op,
+            dtype: span.dtype,
+            bytes: span.bytes(),
+            peer: None,
+        }
+    }
 }
 
 /// Completion events kept for reuse: as many as operations are usually in
