@@ -531,7 +531,7 @@ impl Inner {
             _ => false,
         };
         let now = Instant::now();
-        let since_born_us = now.saturating_duration_since(self.born).as_micros() as u64;
+        let since_born_us = self.us_since_born(now);
         let seq = self.recorder.record_at(
             op,
             info.dtype.name(),
@@ -594,13 +594,18 @@ impl Inner {
         ))
     }
 
-    /// Runs `f`, which calls NCCL for submission `seq`; on a blocking
-    /// communicator the watchdog sees the call while it runs.
-    /// Microseconds since `born`.
+    /// Microseconds from `born` to now.
     pub(super) fn since_born_us(&self) -> u64 {
-        self.born.elapsed().as_micros() as u64
+        self.us_since_born(Instant::now())
     }
 
+    /// Microseconds from `born` to `at`.
+    fn us_since_born(&self, at: Instant) -> u64 {
+        at.saturating_duration_since(self.born).as_micros() as u64
+    }
+
+    /// Runs `f`, which calls NCCL for submission `seq`; on a blocking
+    /// communicator the watchdog sees the call while it runs.
     /// `since_born_us`: the call's start, in microseconds after `born`.
     pub(super) fn in_nccl<T>(&self, seq: u64, since_born_us: u64, f: impl FnOnce() -> T) -> T {
         if self.config.enqueue != EnqueueMode::Blocking {
