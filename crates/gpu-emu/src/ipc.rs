@@ -1,26 +1,33 @@
 //! CUDA IPC of device memory (`cuIpcGetMemHandle`, `cuIpcOpenMemHandle_v2`,
-//! `cuIpcCloseMemHandle`) for ranks that are threads of this process.
+//! `cuIpcCloseMemHandle`) between processes of this host.
 //!
-//! Device memory is host memory of the process, so opening a handle returns
-//! the exporter's own address; what is emulated is the bookkeeping the
-//! driver does and the order it requires:
-//! - a handle names one allocation (its address and a serial number drawn
-//!   when it is first exported), so a handle of memory freed since, even if
-//!   the address was reused, is `CUDA_ERROR_INVALID_HANDLE`;
-//! - a handle opens only in the process that made it (the emulator cannot
-//!   map another process's memory): elsewhere `CUDA_ERROR_INVALID_HANDLE`;
-//! - each open is counted per opening device and closed once;
-//! - freeing an allocation while another context still has it open (the
-//!   driver calls that undefined) is counted as a violation and logged, and
-//!   the free goes ahead, so the importer's later access is a sticky
-//!   illegal address as a real fault would be.
+//! Exporting makes the allocation's pages a shared mapping of a memfd
+//! (`memory::share`). Another process opens the handle by mapping the
+//! memfd, reached through `/proc/<pid>/fd`, and registers that mapping as
+//! device memory of the opening device (`memory::import`), so the kernels
+//! and copies of both processes reach the same bytes. What is emulated
+//! besides is the bookkeeping the driver does and the order it requires:
+//! - a handle opened in the process that made it is
+//!   `CUDA_ERROR_INVALID_CONTEXT`, as the driver answers (ranks that are
+//!   threads of one process reach each other's memory by address, with
+//!   peer access);
+//! - a handle names one allocation (its address, descriptor and a serial
+//!   number drawn when it is first exported, which the memfd's header page
+//!   repeats), so a handle of memory freed since, even if the address or
+//!   the descriptor was reused, is `CUDA_ERROR_INVALID_HANDLE`;
+//! - each open is counted per opening device and closed once; a second
+//!   open of one handle on a device returns the same address;
+//! - freeing an allocation while another process still has it open (the
+//!   driver calls that undefined) is counted as a violation (through the
+//!   header page's count of opens) and logged, and the free goes ahead;
+//!   the other process's mapping keeps the pages.
 //!
 //! Control functions: `metrale_emu_ipc_open_mappings()` (mappings open
 //! now) and `metrale_emu_ipc_violations()` (frees of memory still mapped,
 //! since the process started).
 //!
-//! Invariant: the state's lock is taken after the allocation registry's,
-//! never before it.
+//! Invariant: the state's lock is never held while the allocation
+//! registry's is taken.
 
 use std::collections::BTreeMap;
 use std::ffi::c_uint;
@@ -31,73 +38,88 @@ use cuda_sys::{CUdeviceptr, CUresult};
 use parking_lot::Mutex;
 
 use crate::driver::{check_init, code, current_device};
+use crate::memory::{Export, Imported};
 use crate::{guard, memory, put};
 
-const MAGIC: &[u8; 8] = b"EMUIPC01";
+const MAGIC: &[u8; 8] = b"EMUIPC02";
+
+/// A mapping of another process's export.
+struct Import {
+    /// (exporting process, export serial): a second open of the same
+    /// handle on the device shares the mapping.
+    key: (u32, u64),
+    count: u32,
+    mapping: Imported,
+}
 
 struct State {
-    /// Exported allocation start -> its serial number.
-    exported: BTreeMap<u64, u64>,
-    /// (opening device, allocation start) -> open count.
-    open: BTreeMap<(i32, u64), u32>,
-    next_serial: u64,
+    /// (opening device, address here) -> a mapping of another process's
+    /// export.
+    imports: BTreeMap<(i32, u64), Import>,
 }
 
 static STATE: Mutex<State> = Mutex::new(State {
-    exported: BTreeMap::new(),
-    open: BTreeMap::new(),
-    next_serial: 1,
+    imports: BTreeMap::new(),
 });
 
 static VIOLATIONS: AtomicU64 = AtomicU64::new(0);
 
-/// Called by the allocation registry when device memory at `start` is
-/// freed (with the registry's write lock held).
-pub(crate) fn freed(start: u64) {
-    let mut st = STATE.lock();
-    st.exported.remove(&start);
-    let holders: Vec<i32> = st
-        .open
-        .keys()
-        .filter(|(_, s)| *s == start)
-        .map(|(d, _)| *d)
-        .collect();
-    drop(st);
-    if !holders.is_empty() {
-        VIOLATIONS.fetch_add(1, Ordering::Relaxed);
-        tracing::error!(
-            start,
-            ?holders,
-            "emulated cuMemFree of memory other contexts still have open through \
-             cuIpcOpenMemHandle (undefined in the driver): close the mappings first"
-        );
-    }
+/// Counts and logs a free of device memory at `start` that `opens`
+/// mappings in other processes still hold.
+pub(crate) fn violation(start: u64, opens: u32) {
+    VIOLATIONS.fetch_add(1, Ordering::Relaxed);
+    tracing::error!(
+        start,
+        opens,
+        "emulated cuMemFree of memory other processes still have open through \
+         cuIpcOpenMemHandle (undefined in the driver): close the mappings first"
+    );
 }
 
-fn encode(pid: u32, start: u64, serial: u64) -> CUipcMemHandle {
+/// A handle: the exporting process, the allocation's address there, and
+/// its export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Handle {
+    pid: u32,
+    start: u64,
+    export: Export,
+}
+
+fn encode(h: &Handle) -> CUipcMemHandle {
     let mut b = [0u8; 64];
     b[..8].copy_from_slice(MAGIC);
-    b[8..12].copy_from_slice(&pid.to_le_bytes());
-    b[16..24].copy_from_slice(&start.to_le_bytes());
-    b[24..32].copy_from_slice(&serial.to_le_bytes());
+    b[8..12].copy_from_slice(&h.pid.to_le_bytes());
+    b[12..16].copy_from_slice(&h.export.fd.to_le_bytes());
+    b[16..24].copy_from_slice(&h.start.to_le_bytes());
+    b[24..32].copy_from_slice(&h.export.serial.to_le_bytes());
+    b[32..40].copy_from_slice(&(h.export.len as u64).to_le_bytes());
+    b[40..48].copy_from_slice(&(h.export.mapped as u64).to_le_bytes());
     CUipcMemHandle {
         reserved: b.map(|x| x as std::ffi::c_char),
     }
 }
 
-fn decode(h: &CUipcMemHandle) -> Option<(u32, u64, u64)> {
+fn decode(h: &CUipcMemHandle) -> Option<Handle> {
     let b = h.reserved.map(|x| x as u8);
     if &b[..8] != MAGIC {
         return None;
     }
-    let pid = u32::from_le_bytes(b[8..12].try_into().ok()?);
-    let start = u64::from_le_bytes(b[16..24].try_into().ok()?);
-    let serial = u64::from_le_bytes(b[24..32].try_into().ok()?);
-    Some((pid, start, serial))
+    let u32_at = |i: usize| b[i..i + 4].try_into().ok().map(u32::from_le_bytes);
+    let u64_at = |i: usize| b[i..i + 8].try_into().ok().map(u64::from_le_bytes);
+    Some(Handle {
+        pid: u32_at(8)?,
+        start: u64_at(16)?,
+        export: Export {
+            fd: i32::from_le_bytes(b[12..16].try_into().ok()?),
+            serial: u64_at(24)?,
+            len: usize::try_from(u64_at(32)?).ok()?,
+            mapped: usize::try_from(u64_at(40)?).ok()?,
+        },
+    })
 }
 
 /// `cuIpcGetMemHandle`: `dptr` must be the start of a live device
-/// allocation.
+/// allocation of this process; its pages become shareable (`memory::share`).
 ///
 /// # Safety
 /// `handle` is null or valid for a write.
@@ -110,32 +132,26 @@ pub unsafe extern "C" fn cuIpcGetMemHandle(
         code((|| {
             check_init()?;
             current_device().ok_or(CUresult::CUDA_ERROR_INVALID_CONTEXT)?;
-            match memory::find(dptr) {
-                Some((start, _, Some(_))) if start == dptr => {}
-                _ => return Err(CUresult::CUDA_ERROR_INVALID_VALUE),
+            if handle.is_null() {
+                return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
             }
-            let serial = {
-                let mut st = STATE.lock();
-                let next = st.next_serial;
-                let serial = *st.exported.entry(dptr).or_insert(next);
-                if serial == next {
-                    st.next_serial += 1;
-                }
-                serial
-            };
-            let h = encode(std::process::id(), dptr, serial);
-            // SAFETY: `handle` is null or valid (this function's contract).
-            if unsafe { put(handle, h) } {
-                Ok(())
-            } else {
-                Err(CUresult::CUDA_ERROR_INVALID_VALUE)
-            }
+            let export = memory::share(dptr)?;
+            let h = encode(&Handle {
+                pid: std::process::id(),
+                start: dptr,
+                export,
+            });
+            // SAFETY: `handle` is non-null and valid (this function's contract).
+            unsafe { put(handle, h) };
+            Ok(())
         })())
     })
 }
 
-/// `cuIpcOpenMemHandle_v2`: the exporter's address, counted as open by the
-/// current device.
+/// `cuIpcOpenMemHandle_v2`, counted as open by the current device:
+/// another process's export is mapped here (`memory::import`), once per
+/// device and handle (a second open returns the same address), as the
+/// driver does; a handle of this process is `CUDA_ERROR_INVALID_CONTEXT`.
 ///
 /// # Safety
 /// `pdptr` is null or valid for a write.
@@ -152,30 +168,52 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
             if pdptr.is_null() || flags != CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS {
                 return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
             }
-            let (pid, start, serial) =
-                decode(&handle).ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
-            if pid != std::process::id() {
-                tracing::warn!(
-                    pid,
-                    "emulated IPC handles open only in the process that made them"
-                );
-                return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
+            let h = decode(&handle).ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
+            if h.pid == std::process::id() {
+                // As the driver answers (measured on an H200): the exporter
+                // reaches its own memory by its address.
+                return Err(CUresult::CUDA_ERROR_INVALID_CONTEXT);
             }
-            let mut st = STATE.lock();
-            if st.exported.get(&start) != Some(&serial) {
-                return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
-            }
-            *st.open.entry((dev, start)).or_insert(0) += 1;
-            drop(st);
+            let addr = open_foreign(dev, &h)?;
             // SAFETY: `pdptr` is non-null and valid (this function's contract).
-            unsafe { put(pdptr, start) };
+            unsafe { put(pdptr, addr) };
             Ok(())
         })())
     })
 }
 
+/// Opens another process's export on `dev`.
+fn open_foreign(dev: i32, h: &Handle) -> Result<u64, CUresult> {
+    let key = (h.pid, h.export.serial);
+    {
+        let mut st = STATE.lock();
+        if let Some(i) = st
+            .imports
+            .iter_mut()
+            .find(|((d, _), i)| *d == dev && i.key == key)
+            .map(|(_, i)| i)
+        {
+            i.count += 1;
+            return Ok(i.mapping.addr);
+        }
+    }
+    // Mapped without this module's lock (the registry's comes first); two
+    // threads opening one handle at once each map it.
+    let mapping = memory::import(h.pid, h.export, dev)?;
+    STATE.lock().imports.insert(
+        (dev, mapping.addr),
+        Import {
+            key,
+            count: 1,
+            mapping,
+        },
+    );
+    Ok(mapping.addr)
+}
+
 /// `cuIpcCloseMemHandle`: releases one open of `dptr` by the current
-/// device; `CUDA_ERROR_INVALID_VALUE` when it has none.
+/// device (the last one unmaps it); `CUDA_ERROR_INVALID_VALUE` when it
+/// has none.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuIpcCloseMemHandle(dptr: CUdeviceptr) -> CUresult {
     guard(CUresult::CUDA_ERROR_UNKNOWN, || {
@@ -183,13 +221,18 @@ pub extern "C" fn cuIpcCloseMemHandle(dptr: CUdeviceptr) -> CUresult {
             check_init()?;
             let dev = current_device().ok_or(CUresult::CUDA_ERROR_INVALID_CONTEXT)?;
             let mut st = STATE.lock();
-            let n = st
-                .open
+            let i = st
+                .imports
                 .get_mut(&(dev, dptr))
                 .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
-            *n -= 1;
-            if *n == 0 {
-                st.open.remove(&(dev, dptr));
+            i.count -= 1;
+            if i.count > 0 {
+                return Ok(());
+            }
+            let gone = st.imports.remove(&(dev, dptr));
+            drop(st);
+            if let Some(i) = gone {
+                memory::unimport(i.mapping);
             }
             Ok(())
         })())
@@ -200,7 +243,12 @@ pub extern "C" fn cuIpcCloseMemHandle(dptr: CUdeviceptr) -> CUresult {
 #[unsafe(no_mangle)]
 pub extern "C" fn metrale_emu_ipc_open_mappings() -> u64 {
     guard(u64::MAX, || {
-        STATE.lock().open.values().map(|n| u64::from(*n)).sum()
+        STATE
+            .lock()
+            .imports
+            .values()
+            .map(|i| u64::from(i.count))
+            .sum()
     })
 }
 
@@ -217,9 +265,19 @@ mod tests {
 
     #[test]
     fn handles_round_trip() {
-        let h = encode(7, 0x1000, 3);
-        assert_eq!(decode(&h), Some((7, 0x1000, 3)));
-        let mut bad = h;
+        let h = Handle {
+            pid: 7,
+            start: 0x1000,
+            export: Export {
+                fd: 9,
+                serial: 3,
+                len: 5000,
+                mapped: 8192,
+            },
+        };
+        let enc = encode(&h);
+        assert_eq!(decode(&enc), Some(h));
+        let mut bad = enc;
         bad.reserved[0] = 0;
         assert_eq!(decode(&bad), None);
     }

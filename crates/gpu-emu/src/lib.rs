@@ -9,8 +9,9 @@
 //!   reserved), compute capability 9.0, peer access between every pair,
 //!   driver version 13000. Primary contexts are retained and released with a
 //!   reference count; the current context is per thread.
-//! - **Memory**: device memory is host memory, 256-byte aligned and filled
-//!   with `0xA5` so unwritten outputs show. Every live allocation is in a
+//! - **Memory**: device memory is host memory (whole pages, at addresses
+//!   never reused for device memory in the process) filled with `0xA5` so
+//!   unwritten outputs show. Every live allocation is in a
 //!   registry; every range a copy, memset, kernel or collective touches must
 //!   lie inside one live allocation (`CUDA_ERROR_INVALID_VALUE` or
 //!   `ncclInvalidArgument` otherwise). `cuMemGetInfo` reports the bytes
@@ -39,9 +40,11 @@
 //!   even) and `bf16_one_shot_all_reduce` (its push, flag-free wait, rank
 //!   order f32 sum, clear and bounded spin over peer memory; `one_shot`).
 //! - **IPC**: `cuIpcGetMemHandle`, `cuIpcOpenMemHandle_v2` and
-//!   `cuIpcCloseMemHandle` within this process (a mapping is the exporter's
-//!   own address); opens are counted, a stale or foreign handle is refused,
-//!   and a free of memory still mapped elsewhere is counted as a violation
+//!   `cuIpcCloseMemHandle` between processes of this host (the exported
+//!   pages are a memfd's, mapped by the other process); a handle opened in
+//!   the process that made it is `CUDA_ERROR_INVALID_CONTEXT`, as the
+//!   driver answers; opens are counted, a stale handle is refused, and a
+//!   free of memory still mapped elsewhere is counted as a violation
 //!   (`ipc`).
 //! - **NCCL 2.28.3**: blocking and non-blocking init, split, groups, every
 //!   collective and send/recv, all data types but fp8, every built-in

@@ -2,15 +2,25 @@
 //! allocations, and the driver's allocation, copy and memset entry points.
 //!
 //! Invariants:
-//! - Every allocation is host memory from `std::alloc`, 256-byte aligned,
-//!   filled with `0xA5`, and recorded as `start -> (len, device)` until freed.
+//! - Every allocation is host memory of this process, filled with `0xA5`,
+//!   and recorded as `start -> (len, device, backing)` until freed. Pinned
+//!   host memory comes from `std::alloc`, 256-byte aligned. Device memory
+//!   is a private anonymous mapping of whole pages, at an address the
+//!   process never used for device memory before (so work on freed memory
+//!   never finds a new allocation there); once exported through
+//!   CUDA IPC ([`share`]) the same pages are a shared mapping of a memfd,
+//!   so another rank process can map them ([`import`]): a mapping of
+//!   another process's export is registered here too, on the importing
+//!   device, until `cuIpcCloseMemHandle` ([`unimport`]); it is not this
+//!   process's allocation (`cuMemFree` refuses it, `cuMemGetInfo` does not
+//!   count it).
 //! - Every device-side range is checked against the registry before it is
 //!   touched: a range must lie inside one live allocation. Work that runs
 //!   later (on a stream) checks again when it runs, through [`access`],
 //!   which holds the registry's read lock from the check to the end of the
-//!   access: a free takes the write lock, so it can never release memory
-//!   between the check and the access, and the emulator never reads or
-//!   writes freed host memory.
+//!   access: a free (and an export's remapping) takes the write lock, so it
+//!   can never release or move memory between the check and the access,
+//!   and the emulator never reads or writes freed host memory.
 //! - A free of device memory first waits for the work queued on the
 //!   allocation's device before the free (every stream of the device, the
 //!   legacy stream and destroyed streams still draining included), as the
@@ -19,12 +29,13 @@
 //!   finds its memory gone when it runs (it ran on another device, or the
 //!   memory is pinned host memory) sets its device's sticky
 //!   `CUDA_ERROR_ILLEGAL_ADDRESS`.
-//! - The bytes in use per device are the sum of its live allocations.
+//! - The bytes in use per device are the sum of its own live allocations.
 
 use std::alloc::Layout;
 use std::collections::BTreeMap;
 use std::ffi::c_void;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use cuda_sys::{CUdeviceptr, CUresult, CUstream};
 use parking_lot::RwLock;
@@ -35,12 +46,135 @@ use crate::{guard, put};
 
 const ALIGN: usize = 256;
 const GARBAGE: u8 = 0xA5;
+/// The first bytes of an export's header page.
+const SHARE_MAGIC: u64 = u64::from_le_bytes(*b"EMUSHM01");
+
+/// How an allocation's bytes are held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Backing {
+    /// Pinned host memory, from `std::alloc`.
+    Heap,
+    /// Device memory: `mapped` bytes (whole pages) of a private anonymous
+    /// mapping.
+    Private { mapped: usize },
+    /// Exported device memory: the same pages, a shared mapping of the
+    /// memfd `fd`, whose page after the data is the export's [`Header`]
+    /// (mapped at `header`).
+    Shared {
+        mapped: usize,
+        fd: i32,
+        header: u64,
+        serial: u64,
+    },
+    /// Another process's export, mapped here (`mapped` bytes).
+    Imported { mapped: usize },
+}
 
 #[derive(Debug, Clone, Copy)]
 struct Alloc {
     len: usize,
     /// `None` for pinned host memory.
     device: Option<i32>,
+    backing: Backing,
+}
+
+/// The page after an export's data, shared by the exporter and every
+/// process that maps it: who made it, and how many mappings other
+/// processes hold.
+#[repr(C)]
+struct Header {
+    magic: AtomicU64,
+    serial: AtomicU64,
+    pid: AtomicU32,
+    /// Open mappings in other processes.
+    opens: AtomicU32,
+}
+
+/// The export's header at `addr`.
+///
+/// # Safety
+/// `addr` is a live mapping of an export's header page.
+unsafe fn header<'a>(addr: u64) -> &'a Header {
+    // SAFETY: this function's contract; the page is zeroed or written by
+    // `share`, and every field is an atomic.
+    unsafe { &*(addr as usize as *const Header) }
+}
+
+/// The system's page size.
+fn page() -> usize {
+    // SAFETY: `sysconf` has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(p).ok().filter(|&p| p > 0).unwrap_or(4096)
+}
+
+/// `mmap`, `None` on failure.
+///
+/// # Safety
+/// As `mmap(2)`: a `MAP_FIXED` address must be a mapping this module owns.
+unsafe fn map(addr: u64, len: usize, flags: i32, fd: i32, off: usize) -> Option<u64> {
+    // SAFETY: this function's contract.
+    let p = unsafe {
+        libc::mmap(
+            addr as usize as *mut c_void,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            flags,
+            fd,
+            libc::off_t::try_from(off).ok()?,
+        )
+    };
+    (p != libc::MAP_FAILED).then_some(p as usize as u64)
+}
+
+/// The next address [`fresh_pages`] tries.
+static NEXT_VA: AtomicU64 = AtomicU64::new(VA_FIRST);
+/// Where device memory is placed: addresses that nothing else of the
+/// process uses, each handed out once.
+const VA_FIRST: u64 = 0x2000_0000_0000;
+const VA_END: u64 = 0x6000_0000_0000;
+
+/// A private anonymous mapping of `mapped` bytes (whole pages) at an
+/// address this process has never used for device memory, followed by an
+/// unmapped guard page: a freed allocation's address is not handed out
+/// again (so work on freed memory is always caught), which the system's
+/// allocator would do at once. Past the range (never in practice), or
+/// where something else sits, the kernel places it.
+fn fresh_pages(mapped: usize) -> Result<u64, CUresult> {
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+    let step = (mapped + page()) as u64;
+    for _ in 0..16 {
+        let at = NEXT_VA.fetch_add(step, Ordering::Relaxed);
+        if at.saturating_add(step) > VA_END {
+            break;
+        }
+        // SAFETY: `MAP_FIXED_NOREPLACE` maps only where nothing is mapped.
+        if let Some(p) = unsafe { map(at, mapped, flags | libc::MAP_FIXED_NOREPLACE, -1, 0) } {
+            if p == at {
+                return Ok(p);
+            }
+            // An old kernel that took the address as a hint only.
+            // SAFETY: the mapping just made, not used.
+            unsafe { unmap(p, mapped) };
+        }
+    }
+    // SAFETY: a fresh anonymous mapping, placed by the kernel.
+    unsafe { map(0, mapped, flags, -1, 0) }.ok_or(CUresult::CUDA_ERROR_OUT_OF_MEMORY)
+}
+
+/// `munmap`, logging a failure.
+///
+/// # Safety
+/// `[addr, addr + len)` is a mapping this module owns, not touched again.
+unsafe fn unmap(addr: u64, len: usize) {
+    // SAFETY: this function's contract.
+    if unsafe { libc::munmap(addr as usize as *mut c_void, len) } != 0 {
+        tracing::error!(
+            addr,
+            len,
+            "emulated memory: munmap failed: {}",
+            std::io::Error::last_os_error()
+        );
+    }
 }
 
 struct Registry {
@@ -76,6 +210,9 @@ static REG: RwLock<Registry> = RwLock::new(Registry {
     map: BTreeMap::new(),
     used: BTreeMap::new(),
 });
+
+/// Serial numbers of exports, unique in this process.
+static NEXT_SERIAL: AtomicU64 = AtomicU64::new(1);
 
 /// A range of registered memory that work touches.
 #[derive(Debug, Clone, Copy)]
@@ -128,24 +265,39 @@ pub(crate) fn alloc(device: Option<i32>, len: usize) -> Result<u64, CUresult> {
     if len == 0 {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     }
-    let layout =
-        Layout::from_size_align(len, ALIGN).map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
     let mut reg = REG.write();
-    if let Some(d) = device {
-        let used = reg.used.get(&d).copied().unwrap_or(0);
-        if used.saturating_add(len) > TOTAL_MEM {
-            return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+    let (start, backing) = match device {
+        Some(d) => {
+            let used = reg.used.get(&d).copied().unwrap_or(0);
+            if used.saturating_add(len) > TOTAL_MEM {
+                return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+            }
+            let mapped = len
+                .checked_next_multiple_of(page())
+                .ok_or(CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
+            (fresh_pages(mapped)?, Backing::Private { mapped })
         }
-    }
-    // SAFETY: `layout` has a non-zero size.
-    let p = unsafe { std::alloc::alloc(layout) };
-    if p.is_null() {
-        return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
-    }
-    // SAFETY: `p` was just allocated with `len` bytes.
-    unsafe { std::ptr::write_bytes(p, GARBAGE, len) };
-    let start = p as usize as u64;
-    reg.map.insert(start, Alloc { len, device });
+        None => {
+            let layout = Layout::from_size_align(len, ALIGN)
+                .map_err(|_| CUresult::CUDA_ERROR_OUT_OF_MEMORY)?;
+            // SAFETY: `layout` has a non-zero size.
+            let p = unsafe { std::alloc::alloc(layout) };
+            if p.is_null() {
+                return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+            }
+            (p as usize as u64, Backing::Heap)
+        }
+    };
+    // SAFETY: `start` was just allocated with at least `len` bytes.
+    unsafe { std::ptr::write_bytes(start as usize as *mut u8, GARBAGE, len) };
+    reg.map.insert(
+        start,
+        Alloc {
+            len,
+            device,
+            backing,
+        },
+    );
     if let Some(d) = device {
         *reg.used.entry(d).or_insert(0) += len;
     }
@@ -153,14 +305,16 @@ pub(crate) fn alloc(device: Option<i32>, len: usize) -> Result<u64, CUresult> {
 }
 
 /// Frees the allocation that starts at `ptr`, if it is of the given kind
-/// (device memory when `device` is true, pinned host memory otherwise).
-/// Device memory is freed once the work queued on its device before the
-/// call has run (which never happens under a kernel that never ends, as
-/// with the driver); a device with a sticky error refuses with it.
+/// (device memory when `device` is true, pinned host memory otherwise;
+/// never another process's export mapped here). Device memory is freed
+/// once the work queued on its device before the call has run (which
+/// never happens under a kernel that never ends, as with the driver); a
+/// device with a sticky error refuses with it.
 pub(crate) fn free(ptr: u64, device: bool) -> Result<(), CUresult> {
-    let kind = REG.read().map.get(&ptr).map(|a| a.device);
-    let dev = match kind {
-        Some(d) if d.is_some() == device => d,
+    let ours =
+        |a: &Alloc| a.device.is_some() == device && !matches!(a.backing, Backing::Imported { .. });
+    let dev = match REG.read().map.get(&ptr) {
+        Some(a) if ours(a) => a.device,
         _ => return Err(CUresult::CUDA_ERROR_INVALID_VALUE),
     };
     if let Some(d) = dev {
@@ -169,7 +323,7 @@ pub(crate) fn free(ptr: u64, device: bool) -> Result<(), CUresult> {
     }
     let mut reg = REG.write();
     match reg.map.get(&ptr) {
-        Some(a) if a.device.is_some() == device => {}
+        Some(a) if ours(a) => {}
         // Freed by another thread meanwhile.
         _ => return Err(CUresult::CUDA_ERROR_INVALID_VALUE),
     }
@@ -182,16 +336,232 @@ pub(crate) fn free(ptr: u64, device: bool) -> Result<(), CUresult> {
     {
         *u = u.saturating_sub(a.len);
     }
-    if a.device.is_some() {
-        crate::ipc::freed(ptr);
+    match a.backing {
+        Backing::Heap => {
+            let layout =
+                Layout::from_size_align(a.len, ALIGN).map_err(|_| CUresult::CUDA_ERROR_UNKNOWN)?;
+            // SAFETY: `ptr` was allocated by `alloc` with this layout and has
+            // just been removed from the registry, so it is freed exactly
+            // once; the write lock is still held, so no `access` is touching
+            // it.
+            unsafe { std::alloc::dealloc(ptr as usize as *mut u8, layout) };
+        }
+        Backing::Private { mapped } => {
+            // SAFETY: as above, for the mapping `alloc` made.
+            unsafe { unmap(ptr, mapped) };
+        }
+        Backing::Shared {
+            mapped,
+            fd,
+            header: h,
+            ..
+        } => {
+            // SAFETY: the header page stays mapped until just below.
+            let opens = unsafe { header(h) }.opens.load(Ordering::Acquire);
+            if opens > 0 {
+                crate::ipc::violation(ptr, opens);
+            }
+            // SAFETY: as above, for the shared mapping `share` made and its
+            // header page; `fd` is the export's memfd, closed once here
+            // (another process's mapping keeps the pages alive).
+            unsafe {
+                unmap(ptr, mapped);
+                unmap(h, page());
+                libc::close(fd);
+            }
+        }
+        Backing::Imported { .. } => return Err(CUresult::CUDA_ERROR_INVALID_VALUE),
     }
-    let layout = Layout::from_size_align(a.len, ALIGN).map_err(|_| CUresult::CUDA_ERROR_UNKNOWN)?;
-    // SAFETY: `ptr` was allocated by `alloc` with this layout and has just
-    // been removed from the registry, so it is freed exactly once; the write
-    // lock is still held, so no `access` is touching it.
-    unsafe { std::alloc::dealloc(ptr as usize as *mut u8, layout) };
     drop(reg);
     Ok(())
+}
+
+/// What another process needs to map an export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Export {
+    /// The memfd holding the pages, in the exporting process.
+    pub(crate) fd: i32,
+    /// Unique in the exporting process.
+    pub(crate) serial: u64,
+    /// The allocation's length.
+    pub(crate) len: usize,
+    /// The mapped bytes (whole pages; the header page follows them).
+    pub(crate) mapped: usize,
+}
+
+/// Makes the device allocation that starts at `start` mappable by other
+/// processes (once; later calls return the same export): its pages become
+/// a shared mapping of a memfd at the same address, contents kept, under
+/// the registry's write lock so no access sees the move.
+pub(crate) fn share(start: u64) -> Result<Export, CUresult> {
+    let mut reg = REG.write();
+    let a = reg
+        .map
+        .get_mut(&start)
+        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    let mapped = match a.backing {
+        Backing::Private { mapped } => mapped,
+        Backing::Shared {
+            mapped, fd, serial, ..
+        } => {
+            return Ok(Export {
+                fd,
+                serial,
+                len: a.len,
+                mapped,
+            });
+        }
+        Backing::Heap | Backing::Imported { .. } => return Err(CUresult::CUDA_ERROR_INVALID_VALUE),
+    };
+    let pg = page();
+    let oom = |what: &str| {
+        tracing::error!(
+            start,
+            "emulated cuIpcGetMemHandle: {what}: {}",
+            std::io::Error::last_os_error()
+        );
+        CUresult::CUDA_ERROR_OUT_OF_MEMORY
+    };
+    // SAFETY: the name is a C string; the flags are valid.
+    let fd = unsafe { libc::memfd_create(c"metrale-emu-ipc".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(oom("memfd_create"));
+    }
+    let total = mapped + pg;
+    let fail = |what: &str| {
+        let e = oom(what);
+        // SAFETY: `fd` is ours and not used after.
+        unsafe { libc::close(fd) };
+        e
+    };
+    let Ok(size) = libc::off_t::try_from(total) else {
+        return Err(fail("size"));
+    };
+    // SAFETY: `fd` is a fresh memfd of ours.
+    if unsafe { libc::ftruncate(fd, size) } != 0 {
+        return Err(fail("ftruncate"));
+    }
+    // SAFETY: a fresh shared mapping of the memfd, placed by the kernel.
+    let Some(tmp) = (unsafe { map(0, total, libc::MAP_SHARED, fd, 0) }) else {
+        return Err(fail("mmap"));
+    };
+    let serial = NEXT_SERIAL.fetch_add(1, Ordering::Relaxed);
+    // SAFETY: `tmp` maps `total` bytes of the memfd, and `start` the
+    // allocation's `mapped` bytes; the write lock keeps every access out
+    // while the pages move. The second `map` replaces the private pages at
+    // `start` (a mapping this module owns) with the memfd's, which now hold
+    // the same bytes; then only the header page of `tmp` stays mapped.
+    unsafe {
+        std::ptr::copy_nonoverlapping(start as usize as *const u8, tmp as usize as *mut u8, mapped);
+        let h = header(tmp + mapped as u64);
+        h.serial.store(serial, Ordering::Relaxed);
+        h.pid.store(std::process::id(), Ordering::Relaxed);
+        h.magic.store(SHARE_MAGIC, Ordering::Release);
+        if map(start, mapped, libc::MAP_SHARED | libc::MAP_FIXED, fd, 0) != Some(start) {
+            unmap(tmp, total);
+            return Err(fail("mmap at the allocation"));
+        }
+        unmap(tmp, mapped);
+    }
+    a.backing = Backing::Shared {
+        mapped,
+        fd,
+        header: tmp + mapped as u64,
+        serial,
+    };
+    Ok(Export {
+        fd,
+        serial,
+        len: a.len,
+        mapped,
+    })
+}
+
+/// A mapping of another process's export: its data (registered on the
+/// importing device) and its header page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Imported {
+    /// Where the data is mapped here.
+    pub(crate) addr: u64,
+    mapped: usize,
+    header: u64,
+}
+
+/// Maps the export `e` of process `pid` on `device`: opens the exporter's
+/// memfd through `/proc`, checks the header names that export, maps the
+/// data and registers it. `CUDA_ERROR_INVALID_HANDLE` when the export is
+/// gone (or its descriptor now names something else).
+pub(crate) fn import(pid: u32, e: Export, device: i32) -> Result<Imported, CUresult> {
+    use std::os::fd::AsRawFd as _;
+    let invalid = |why: &str| {
+        tracing::warn!(
+            pid,
+            fd = e.fd,
+            serial = e.serial,
+            "emulated cuIpcOpenMemHandle: {why}"
+        );
+        CUresult::CUDA_ERROR_INVALID_HANDLE
+    };
+    let pg = page();
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(format!("/proc/{pid}/fd/{}", e.fd))
+        .map_err(|err| invalid(&format!("the exporter's memory is gone ({err})")))?;
+    let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+    if !e.mapped.is_multiple_of(pg) || e.len > e.mapped || size != (e.mapped + pg) as u64 {
+        return Err(invalid("not an export of that size"));
+    }
+    let fd = file.as_raw_fd();
+    // SAFETY: a fresh shared mapping of the exporter's memfd (its size
+    // checked), placed by the kernel.
+    let h = unsafe { map(0, pg, libc::MAP_SHARED, fd, e.mapped) }
+        .ok_or_else(|| invalid("mmap of its header"))?;
+    // SAFETY: `h` maps the export's header page.
+    let hd = unsafe { header(h) };
+    if hd.magic.load(Ordering::Acquire) != SHARE_MAGIC
+        || hd.serial.load(Ordering::Acquire) != e.serial
+        || hd.pid.load(Ordering::Acquire) != pid
+    {
+        // SAFETY: mapped just above, not used after.
+        unsafe { unmap(h, pg) };
+        return Err(invalid("a different export (the handle is stale)"));
+    }
+    // SAFETY: as for the header, the data pages.
+    let Some(addr) = (unsafe { map(0, e.mapped, libc::MAP_SHARED, fd, 0) }) else {
+        // SAFETY: mapped just above, not used after.
+        unsafe { unmap(h, pg) };
+        return Err(invalid("mmap of its data"));
+    };
+    drop(file);
+    hd.opens.fetch_add(1, Ordering::AcqRel);
+    REG.write().map.insert(
+        addr,
+        Alloc {
+            len: e.len,
+            device: Some(device),
+            backing: Backing::Imported { mapped: e.mapped },
+        },
+    );
+    Ok(Imported {
+        addr,
+        mapped: e.mapped,
+        header: h,
+    })
+}
+
+/// Unmaps an [`import`]: off the registry first (under its write lock, so
+/// no access is in flight), then the pages, then one open less in the
+/// export's header.
+pub(crate) fn unimport(m: Imported) {
+    REG.write().map.remove(&m.addr);
+    // SAFETY: `m` is an import this module mapped, now off the registry
+    // (no access can reach it) and unmapped once, here.
+    unsafe {
+        unmap(m.addr, m.mapped);
+        header(m.header).opens.fetch_sub(1, Ordering::AcqRel);
+        unmap(m.header, page());
+    }
 }
 
 /// The live allocation containing `ptr`: (start, len, device).

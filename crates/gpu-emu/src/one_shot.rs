@@ -1,8 +1,9 @@
 //! The host implementation of metrale-comm's `bf16_one_shot_all_reduce`
 //! kernel (`crates/metrale-comm/kernels/bf16_one_shot.cu`): the same
 //! protocol over the same memory layout, with the GPU's arithmetic, so the
-//! one-shot path runs across emulated ranks (threads of this process, whose
-//! peer mappings are the peers' own addresses).
+//! one-shot path runs across emulated ranks (threads of this process,
+//! reaching the peers' buffers by their addresses, or processes, through
+//! the IPC mappings of the peers' pages).
 //!
 //! One launch runs as one block that covers every element. What it keeps
 //! from the GPU kernel:

@@ -86,6 +86,26 @@ pub fn nccl_calls() -> u64 {
     }
 }
 
+/// `metrale_emu_ipc_open_mappings`.
+pub fn ipc_open_mappings() -> u64 {
+    // SAFETY: the symbol has this signature (docs/architecture.md).
+    unsafe {
+        let f: libloading::Symbol<unsafe extern "C" fn() -> u64> =
+            control().get(b"metrale_emu_ipc_open_mappings\0").unwrap();
+        f()
+    }
+}
+
+/// `metrale_emu_ipc_violations`.
+pub fn ipc_violations() -> u64 {
+    // SAFETY: the symbol has this signature (docs/architecture.md).
+    unsafe {
+        let f: libloading::Symbol<unsafe extern "C" fn() -> u64> =
+            control().get(b"metrale_emu_ipc_violations\0").unwrap();
+        f()
+    }
+}
+
 /// Asserts a driver call succeeded.
 #[track_caller]
 pub fn ck(r: CUresult) {
@@ -126,14 +146,20 @@ pub fn free(p: CUdeviceptr) {
 
 /// Copies `data` to the device.
 pub fn upload<T: Copy>(dst: CUdeviceptr, data: &[T]) {
-    // SAFETY: `data` is valid for its size in bytes.
-    ck(unsafe {
+    ck(try_upload(dst, data));
+}
+
+/// `cuMemcpyHtoD_v2` of `data`'s code.
+pub fn try_upload<T: Copy>(dst: CUdeviceptr, data: &[T]) -> CUresult {
+    // SAFETY: `data` is valid for its size in bytes; the emulator checks
+    // `dst` against its allocations.
+    unsafe {
         cuda_sys::call!(
             cuda(),
             cuMemcpyHtoD_v2(dst, data.as_ptr().cast::<c_void>(), size_of_val(data))
         )
     }
-    .unwrap());
+    .unwrap()
 }
 
 /// Copies `n` values from the device.
