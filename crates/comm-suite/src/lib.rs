@@ -81,6 +81,9 @@ pub enum Needs {
     /// One process per rank that the orchestrator can SIGKILL (GPUs,
     /// processes and socket modes).
     Processes,
+    /// One process per rank (processes and socket modes), all ranks on
+    /// device 0: runs at its fewest ranks on any box with a GPU.
+    SharedDevice,
 }
 
 /// One scenario of the suite.

@@ -630,6 +630,23 @@ fn run_cell(
         }
         return Ok(Outcome::Pass);
     }
+    if sc.needs == Needs::SharedDevice {
+        if mode == Mode::Threads {
+            return Ok(Outcome::Skip(
+                "needs one process per rank (the driver opens no IPC handle in the process that made it)"
+                    .into(),
+            ));
+        }
+        if mode == Mode::Torchrun {
+            return Ok(Outcome::Skip(
+                "torchrun's preflight builds an NCCL backend, which needs a GPU per rank".into(),
+            ));
+        }
+        if gpus == 0 {
+            return Ok(Outcome::Skip("needs a GPU".into()));
+        }
+        return run_one(sc, sc.min_ranks, mode, opts, rdzv);
+    }
     let world = match sc.world_for(gpus) {
         Ok(w) => w,
         Err(why) => return Ok(Outcome::Skip(why)),

@@ -2,9 +2,10 @@
 //! orchestrator (`comm-suite run --emulator --modes processes`) launches
 //! the comm-suite binary once per rank with torchrun's variables, so the
 //! ranks are separate processes whose communicators meet over the
-//! emulator's loopback transport. A representative subset of scenarios
-//! runs with two ranks (every scenario but the two that only repeat
-//! others' paths for tens of seconds), a few with three, and the
+//! emulator's loopback transport, and whose one-shot all-reduce maps the
+//! peers' buffers with CUDA IPC between processes. Every scenario that
+//! runs at two ranks does so here but the two that only repeat others'
+//! paths for tens of seconds; a few run again with three; and the
 //! killed-rank scenario (`rel_sigkill_rank`: a rank SIGKILLed
 //! mid-collective, the survivor must error within its timeout) 20 times.
 //! `emulator.rs` runs every scenario in threads mode, unchanged.
@@ -39,6 +40,10 @@ const TWO_RANKS: &[&str] = &[
     "api_all_to_all",
     "api_split_concurrent",
     "api_thread_groups",
+    "oneshot_sizes",
+    "oneshot_streams",
+    "oneshot_stuck_rank",
+    "oneshot_ipc_one_device",
     "rel_skipped_collective",
     "rel_injected_hang",
     "rel_blocking_stall",
@@ -48,6 +53,12 @@ const TWO_RANKS: &[&str] = &[
     "rel_init_without_a_rank",
     "rel_idle_command_wait",
     "rel_sigkill_rank",
+    "int_fast_path_streams",
+    "int_mismatch_reported",
+    "int_shutdown_after_failure",
+    "int_reconnect_aborts_waiters",
+    "int_shutdown_idle_worker",
+    "fuzz_schedules",
 ];
 
 /// The scenarios run again with three rank processes (a mesh where every
@@ -57,6 +68,7 @@ const THREE_RANKS: &[&str] = &[
     "backend_every_operation",
     "api_all_to_all",
     "api_split_concurrent",
+    "oneshot_sizes",
 ];
 
 /// Repetitions of `rel_sigkill_rank`.

@@ -8,6 +8,7 @@ pub mod backend;
 pub mod fuzz;
 pub mod integrity;
 pub mod oneshot;
+pub mod oneshot_ipc;
 pub mod oneshot_kernel;
 pub mod reliability;
 pub mod safe;
@@ -228,6 +229,15 @@ pub fn all() -> Vec<Scenario> {
             &[1],
             Nothing,
             oneshot_kernel::kernel_one_device,
+        ),
+        s(
+            "oneshot_ipc_one_device",
+            "the one-shot kernel between 2 rank processes on device 0, buffers mapped with CUDA IPC",
+            2,
+            Some(2),
+            &[],
+            SharedDevice,
+            oneshot_ipc::ipc_one_device,
         ),
         s(
             "rel_skipped_collective",

@@ -12,9 +12,10 @@
 //! once), on rank 0 and, up to 64 Ki elements, on every rank; and every
 //! rank's output is bit-identical to rank 0's (hash through the store). On
 //! GPUs where the path is off (no peer access) the scenarios skip with the
-//! backend's reason, as they do on the emulator outside threads mode (it
-//! has no IPC between processes). On the emulator they end with no CUDA IPC
-//! mapping open and no free of memory still mapped.
+//! backend's reason; on the emulator (ranks as threads or as processes,
+//! whose CUDA IPC maps the exporter's pages) the path must be on. On the
+//! emulator they end with no CUDA IPC mapping open and no free of memory
+//! still mapped, in every rank's process.
 
 use std::time::{Duration, Instant};
 
@@ -65,14 +66,6 @@ fn one_shot_backend(ctx: &RankCtx, name: &str, cfg: BackendConfig) -> anyhow::Re
         if ctx.on_gpu() {
             b.shutdown().ok();
             return Err(RankCtx::skip(format!("the one-shot path is off: {why}")));
-        }
-        if ctx.mode != crate::Mode::Threads {
-            // The emulator's device memory lives in each rank's process: it
-            // has no CUDA IPC between processes, so the path is off there.
-            b.shutdown().ok();
-            return Err(RankCtx::skip(format!(
-                "the emulator has no CUDA IPC between rank processes ({why})"
-            )));
         }
         bail!("the one-shot path is off on the emulator: {why}");
     }

@@ -60,13 +60,10 @@ pub(super) fn run_program(
     for (k, spec) in prog.backends.iter().enumerate() {
         match ctx.backend(&format!("{tag}-b{k}"), spec.config(ctx)) {
             Ok(b) => {
-                // The emulator's ranks in threads can always set the
-                // one-shot path up: a fuzzed program that asks for it runs
-                // it there (elsewhere NCCL stands in where it is off).
-                let must = spec.policy.one_shot()
-                    && !ctx.on_gpu()
-                    && ctx.mode == crate::Mode::Threads
-                    && (2..=8).contains(&prog.world);
+                // The emulator's ranks (threads or processes) can always
+                // set the one-shot path up: a fuzzed program that asks for
+                // it runs it there (on GPUs NCCL stands in where it is off).
+                let must = spec.policy.one_shot() && !ctx.on_gpu() && (2..=8).contains(&prog.world);
                 if must && let Some(why) = b.one_shot_unavailable() {
                     return Err(format!(
                         "b{k}: the one-shot path is off on the emulator: {why}"
