@@ -43,6 +43,7 @@ const TWO_RANKS: &[&str] = &[
     "oneshot_sizes",
     "oneshot_streams",
     "oneshot_stuck_rank",
+    "oneshot_concurrent_graphs",
     "oneshot_ipc_one_device",
     "rel_skipped_collective",
     "rel_injected_hang",

@@ -222,6 +222,15 @@ pub fn all() -> Vec<Scenario> {
             oneshot::stuck_rank,
         ),
         s(
+            "oneshot_concurrent_graphs",
+            "graphs of one-shots replayed at once on two streams: every rank poisoned, named, reconnects",
+            2,
+            Some(2),
+            &[2],
+            Nothing,
+            oneshot::concurrent_graphs,
+        ),
+        s(
             "oneshot_kernel_one_device",
             "the one-shot kernel with 2/4/8 ranks simulated on one device: sizes, graph lane, timeout, abort",
             1,

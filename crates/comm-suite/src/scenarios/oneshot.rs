@@ -4,7 +4,9 @@
 //! replays overlapping on several streams; a healthy reconnect in between;
 //! a rank that never arrives (eagerly: the watchdog's abort ends the
 //! kernels; captured: the kernels' own bound does), with reconnects after;
-//! and the path's choice and its reasons when off.
+//! graphs replayed at once on two streams, against the replay rule (every
+//! rank ends poisoned, never healthy); and the path's choice and its
+//! reasons when off.
 //!
 //! Invariants: every output element is checked against the path's host
 //! reference (`data::one_shot_reference`, the arithmetic of
@@ -394,4 +396,76 @@ pub fn stuck_rank(ctx: &RankCtx) -> anyhow::Result<()> {
     );
     b.shutdown()?;
     no_mapping_left(ctx, "oneshot-stuck")
+}
+
+/// Two graphs holding one-shots replayed at once on two streams of each
+/// rank, the replay rule broken (see the backend's docs), with rank 0
+/// ahead of the others: on rank 0 one replay finds the graph lane held by
+/// the other, which waits for its peers. Every rank's backend must end
+/// poisoned by the kernels' bound (rank 0's failure naming the concurrent
+/// use), never healthy; after a reconnect on every rank the path works
+/// again.
+pub fn concurrent_graphs(ctx: &RankCtx) -> anyhow::Result<()> {
+    let seed = ctx.shared_seed("oneshot-concurrent")?;
+    let cfg = ctx
+        .config()
+        .with_collective_timeout(TIMEOUT)
+        .with_one_shot(OneShotPolicy::DEFAULT);
+    let b = one_shot_backend(ctx, "oneshot-concurrent", cfg)?;
+    let n = 1000;
+    one_ok(ctx, &b, seed, 1, n)?;
+    let (s1, s2) = (Stream::new(b.context())?, Stream::new(b.context())?);
+    let mut bufs: Vec<DeviceBuffer<bf16>> = (0..2)
+        .map(|i| DeviceBuffer::from_host(b.context(), &random_vec(seed, ctx.rank, 2 + i, n)))
+        .collect::<Result<_, _>>()?;
+    let mut execs = Vec::with_capacity(2);
+    for buf in &mut bufs {
+        s1.begin_capture()?;
+        let r = b.all_reduce_async(buf.view_mut(), s1.as_ref());
+        let graph = s1.end_capture()?;
+        r?;
+        execs.push(graph.instantiate()?);
+    }
+    ctx.barrier("oneshot-concurrent: captured")?;
+    ctx.step("both graphs replayed at once");
+    if ctx.rank != 0 {
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let t = Instant::now();
+    execs[0].launch(&s1)?;
+    execs[1].launch(&s2)?;
+    // The kernels end by their own bound (timeout + grace) at the latest.
+    for s in [&s1, &s2] {
+        s.wait_until_idle(TIMEOUT + 2 * SLACK)
+            .context("a replay did not end by the kernels' bound")?;
+    }
+    let until = t + TIMEOUT + 2 * SLACK;
+    while b.is_healthy() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let failure = b
+        .failure()
+        .context("healthy after concurrent one-shot replays")?;
+    let text = failure.to_string();
+    ensure!(
+        ctx.rank != 0 || text.contains("at once"),
+        "rank 0's failure does not name the concurrent use: {text}"
+    );
+    ensure!(
+        b.all_reduce(bufs[0].view_mut()).is_err(),
+        "a poisoned backend took an all_reduce"
+    );
+    drop(execs);
+    ctx.barrier("oneshot-concurrent: before reconnect")?;
+    ctx.step("attempt_reconnect");
+    b.attempt_reconnect().context("attempt_reconnect")?;
+    ensure!(b.is_healthy(), "unhealthy after reconnect");
+    ensure!(
+        b.one_shot_unavailable().is_none(),
+        "the one-shot path is off after reconnect: {:?}",
+        b.one_shot_unavailable()
+    );
+    one_ok(ctx, &b, seed, 4, n)?;
+    b.shutdown()?;
+    no_mapping_left(ctx, "oneshot-concurrent")
 }

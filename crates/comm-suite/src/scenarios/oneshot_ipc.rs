@@ -109,6 +109,11 @@ fn check_call(ctx: &RankCtx, me: &Rank, seed: u64, salt: u64, n: usize) -> anyho
 
 /// See the module docs.
 pub fn ipc_one_device(ctx: &RankCtx) -> anyhow::Result<()> {
+    if ctx.mode == crate::Mode::Threads {
+        return Err(RankCtx::skip(
+            "needs one process per rank (the driver opens no IPC handle in the process that made it)",
+        ));
+    }
     let w = ctx.world_size;
     let c = Context::new(0).context("context of device 0")?;
     let seed = ctx.shared_seed("oneshot-ipc")?;

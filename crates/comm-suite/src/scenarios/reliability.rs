@@ -526,22 +526,33 @@ pub fn idle_command_wait(ctx: &RankCtx) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The body of the SIGKILL scenario's ranks: all_reduce in a loop; the
-/// orchestrator kills rank 1; rank 0 must fail within timeout + 1 s of the
-/// last success and return cleanly.
+/// The shutdown deadline of [`sigkill_rank`]'s backend: the one-shot
+/// path's release waits that long for the killed rank at its barrier
+/// before it leaks the buffers.
+const SIGKILL_SHUTDOWN: Duration = Duration::from_secs(3);
+
+/// The body of the SIGKILL scenario's ranks: all_reduce in a loop,
+/// alternating NCCL's path (2 MiB) and the one-shot path (64 KiB, where
+/// the set-up turned it on); the orchestrator kills rank 1 in either; rank
+/// 0 must fail within timeout + 1 s of the last success and shut down
+/// cleanly within its shutdown deadline.
 pub fn sigkill_rank(ctx: &RankCtx) -> anyhow::Result<()> {
     if ctx.mode == crate::Mode::Threads {
         return Err(RankCtx::skip(
             "needs one process per rank (processes or socket mode)",
         ));
     }
-    let b = ctx.backend("sigkill", short(ctx))?;
-    let mut buf = DeviceBuffer::<bf16>::alloc(b.context(), 1 << 20)?;
+    let mut cfg = short(ctx).with_one_shot(OneShotPolicy::DEFAULT);
+    cfg.shutdown_timeout = SIGKILL_SHUTDOWN;
+    let b = ctx.backend("sigkill", cfg)?;
+    let mut big = DeviceBuffer::<bf16>::alloc(b.context(), 1 << 20)?;
+    let mut small = DeviceBuffer::<bf16>::alloc(b.context(), 32 << 10)?;
     let start = Instant::now();
     let mut last_ok = Instant::now();
     let mut n = 0u64;
     while start.elapsed() < Duration::from_secs(60) {
         ctx.step(format!("all_reduce loop {n}"));
+        let buf = if n.is_multiple_of(2) { &mut big } else { &mut small };
         let r = b.all_reduce(buf.view_mut()).and_then(|()| b.synchronize());
         match r {
             Ok(()) => {
@@ -558,7 +569,13 @@ pub fn sigkill_rank(ctx: &RankCtx) -> anyhow::Result<()> {
                     "the survivor's error came {took:?} after the last success: {e}"
                 );
                 println!("survivor error after {took:?}: {e}");
+                let t = Instant::now();
                 b.shutdown().ok();
+                ensure!(
+                    t.elapsed() <= SIGKILL_SHUTDOWN + SLACK,
+                    "the survivor's shutdown took {:?}",
+                    t.elapsed()
+                );
                 return Ok(());
             }
         }
