@@ -182,7 +182,7 @@ pub fn sizes(ctx: &RankCtx) -> anyhow::Result<()> {
 
 /// On the emulator: once every rank shut down, no CUDA IPC mapping is open
 /// and no memory was freed while mapped.
-fn no_mapping_left(ctx: &RankCtx, name: &str) -> anyhow::Result<()> {
+pub(super) fn no_mapping_left(ctx: &RankCtx, name: &str) -> anyhow::Result<()> {
     ctx.barrier(&format!("{name}: shut down"))?;
     if let Some(emu) = ctx.emu() {
         ensure!(

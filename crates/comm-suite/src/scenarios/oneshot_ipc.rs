@@ -217,18 +217,5 @@ pub fn ipc_one_device(ctx: &RankCtx) -> anyhow::Result<()> {
     drop(std::mem::take(&mut me.maps));
     ctx.barrier("oneshot-ipc: every mapping closed")?;
     drop(me);
-    ctx.barrier("oneshot-ipc: freed")?;
-    if let Some(emu) = ctx.emu() {
-        ensure!(
-            emu.ipc_open_mappings() == 0,
-            "{} IPC mappings are still open",
-            emu.ipc_open_mappings()
-        );
-        ensure!(
-            emu.ipc_violations() == 0,
-            "{} frees of device memory still mapped by a peer",
-            emu.ipc_violations()
-        );
-    }
-    Ok(())
+    super::oneshot::no_mapping_left(ctx, "oneshot-ipc")
 }

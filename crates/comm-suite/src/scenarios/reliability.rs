@@ -552,7 +552,11 @@ pub fn sigkill_rank(ctx: &RankCtx) -> anyhow::Result<()> {
     let mut n = 0u64;
     while start.elapsed() < Duration::from_secs(60) {
         ctx.step(format!("all_reduce loop {n}"));
-        let buf = if n.is_multiple_of(2) { &mut big } else { &mut small };
+        let buf = if n.is_multiple_of(2) {
+            &mut big
+        } else {
+            &mut small
+        };
         let r = b.all_reduce(buf.view_mut()).and_then(|()| b.synchronize());
         match r {
             Ok(()) => {
