@@ -136,8 +136,8 @@ const VA_END: u64 = 0x6000_0000_0000;
 /// A private anonymous mapping of `mapped` bytes (whole pages) at an
 /// address this process has never used for device memory, followed by an
 /// unmapped guard page: a freed allocation's address is not handed out
-/// again (so work on freed memory is always caught), which the system's
-/// allocator would do at once. Past the range (never in practice), or
+/// again (so work on freed memory is always caught), which the kernel's
+/// own placement does at once. Past the range (never in practice), or
 /// where something else sits, the kernel places it.
 fn fresh_pages(mapped: usize) -> Result<u64, CUresult> {
     let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
@@ -370,7 +370,8 @@ pub(crate) fn free(ptr: u64, device: bool) -> Result<(), CUresult> {
                 libc::close(fd);
             }
         }
-        Backing::Imported { .. } => return Err(CUresult::CUDA_ERROR_INVALID_VALUE),
+        // Not ours: refused above, under this same lock.
+        Backing::Imported { .. } => {}
     }
     drop(reg);
     Ok(())
