@@ -12,14 +12,15 @@
 //! (the backend's set-up counts on a refusal there) is printed.
 //!
 //! Invariants: every element of every rank's output equals the host
-//! reference (`data::one_shot_reference`) bit for bit, and every rank's
-//! output is bit-identical to the others'; on the emulator the run ends
+//! reference (`data::one_shot_reference`) bit for bit, the rest of its
+//! poisoned buffer is untouched, and every rank's output is bit-identical
+//! to the others'; on the emulator the run ends
 //! with no IPC mapping open and no free of mapped memory, in every rank's
 //! process; every wait is bounded.
 
 use std::time::Duration;
 
-use anyhow::{Context as _, ensure};
+use anyhow::{Context as _, bail, ensure};
 use half::bf16;
 use metrale_comm::kernels;
 use nccl_safe::{
@@ -28,7 +29,7 @@ use nccl_safe::{
 };
 
 use crate::RankCtx;
-use crate::data::{check, hash, one_shot_reference, random_vec};
+use crate::data::{POISON_BYTE, check, hash, one_shot_reference, random_vec};
 use crate::one_shot_local::{LANE_EAGER, LANE_GRAPH};
 
 /// Bytes of one slot.
@@ -96,11 +97,24 @@ impl Rank {
     }
 }
 
-/// Checks this rank's output of call `salt` and its bit-identity with the
-/// other ranks'.
+/// Poisons this rank's whole data buffer, then writes its input of call
+/// `salt` over the first `n` values.
+fn fill(ctx: &RankCtx, me: &mut Rank, seed: u64, salt: u64, n: usize) -> anyhow::Result<()> {
+    me.data.fill_bytes(POISON_BYTE)?;
+    me.data
+        .copy_prefix_from_host(&input(seed, ctx.rank, salt, n))?;
+    Ok(())
+}
+
+/// Checks this rank's output of call `salt` (the values past `n` still
+/// poisoned) and its bit-identity with the other ranks'.
 fn check_call(ctx: &RankCtx, me: &Rank, seed: u64, salt: u64, n: usize) -> anyhow::Result<()> {
-    let got = me.data.to_host_vec()?;
-    let got = &got[..n];
+    let all = me.data.to_host_vec()?;
+    let poison = u16::from_ne_bytes([POISON_BYTE; 2]);
+    if let Some(i) = (n..all.len()).find(|&i| all[i].to_bits() != poison) {
+        bail!("call {salt:#x} of {n} values wrote element {i}, past its end");
+    }
+    let got = &all[..n];
     let want = one_shot_reference(ctx.world_size, |k| input(seed, k, salt, n));
     let what = format!("call {salt:#x} of {n} values");
     check(&what, got, &want, true, ctx.world_size)?;
@@ -178,8 +192,7 @@ pub fn ipc_one_device(ctx: &RankCtx) -> anyhow::Result<()> {
     for (i, &n) in SIZES.iter().enumerate() {
         for call in 0..3u64 {
             let salt = (i as u64) << 8 | call;
-            me.data
-                .copy_prefix_from_host(&input(seed, ctx.rank, salt, n))?;
+            fill(ctx, &mut me, seed, salt, n)?;
             me.launch(n, LANE_EAGER)?;
             me.wait()
                 .with_context(|| format!("{n} values, call {call}"))?;
@@ -196,8 +209,7 @@ pub fn ipc_one_device(ctx: &RankCtx) -> anyhow::Result<()> {
         let exec = graph.instantiate()?;
         for replay in 0..3u64 {
             let salt = 1 << 40 | (n as u64) << 8 | replay;
-            me.data
-                .copy_prefix_from_host(&input(seed, ctx.rank, salt, n))?;
+            fill(ctx, &mut me, seed, salt, n)?;
             exec.launch(&me.stream)?;
             me.wait()
                 .with_context(|| format!("replay {replay} of {n} values"))?;
@@ -205,8 +217,7 @@ pub fn ipc_one_device(ctx: &RankCtx) -> anyhow::Result<()> {
         }
         // An eager call between the graphs, on the other lane.
         let salt = 2 << 40 | (n as u64) << 8;
-        me.data
-            .copy_prefix_from_host(&input(seed, ctx.rank, salt, n))?;
+        fill(ctx, &mut me, seed, salt, n)?;
         me.launch(n, LANE_EAGER)?;
         me.wait()?;
         check_call(ctx, &me, seed, salt, n)?;
