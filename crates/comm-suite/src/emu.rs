@@ -172,15 +172,16 @@ impl EmuControl {
         unsafe { (self.calls)() }
     }
 
-    /// CUDA IPC mappings open now, in the whole process.
+    /// CUDA IPC mappings of other processes' memory open now, in the whole
+    /// process.
     pub fn ipc_open_mappings(&self) -> u64 {
         // SAFETY: the function takes no arguments.
         unsafe { (self.ipc_open)() }
     }
 
-    /// Frees of device memory that another context still had open through
-    /// CUDA IPC, since the process started (the driver calls them
-    /// undefined).
+    /// Frees of this process's device memory that another process still
+    /// had open through CUDA IPC, since the process started (the driver
+    /// calls them undefined).
     pub fn ipc_violations(&self) -> u64 {
         // SAFETY: the function takes no arguments.
         unsafe { (self.ipc_violations)() }

@@ -121,7 +121,8 @@
 //! enqueue calls on blocking communicators; each fault fires once), `metrale_emu_reset()` (clears every fault) and
 //! `metrale_emu_nccl_calls() -> unsigned long long` (NCCL API calls so far),
 //! `metrale_emu_ipc_open_mappings()` and `metrale_emu_ipc_violations()`
-//! (IPC mappings open now; frees of memory still mapped, since start).
+//! (this process's IPC mappings of other processes' memory open now; its
+//! frees of memory another process still maps, since start).
 //! `METRALE_EMU_FAULTS="RANK:KIND@N;..."` (KIND one of `hang`, `async`,
 //! `initfail`, `nojoin`, `die`, `stall`) is read on first use.
 //!
