@@ -5,7 +5,8 @@
 //! emulator's loopback transport, and whose one-shot all-reduce maps the
 //! peers' buffers with CUDA IPC between processes. Every scenario that
 //! runs at two ranks does so here but the two that only repeat others'
-//! paths for tens of seconds; a few run again with three; and the
+//! paths for tens of seconds; a few run again with three, and the
+//! one-shot path's streams and stuck-rank scenarios with eight; and the
 //! killed-rank scenario (`rel_sigkill_rank`: a rank SIGKILLed
 //! mid-collective, the survivor must error within its timeout) 20 times.
 //! `emulator.rs` runs every scenario in threads mode, unchanged.
@@ -71,6 +72,10 @@ const THREE_RANKS: &[&str] = &[
     "api_split_concurrent",
     "oneshot_sizes",
 ];
+
+/// The one-shot scenarios run again with eight rank processes (the most
+/// the kernel serves; every rank maps seven peers' buffers).
+const EIGHT_RANKS: &[&str] = &["oneshot_streams", "oneshot_stuck_rank"];
 
 /// Repetitions of `rel_sigkill_rank`.
 const SIGKILL_REPEAT: usize = 20;
@@ -151,9 +156,14 @@ fn processes_mode_on_the_emulator() {
     let three = orchestrate(3, THREE_RANKS);
     let took_three = t.elapsed();
     assert!(three.contains("comm-suite: 0 failure(s)"), "{three}");
+    let t = Instant::now();
+    let eight = orchestrate(8, EIGHT_RANKS);
+    let took_eight = t.elapsed();
+    assert!(eight.contains("comm-suite: 0 failure(s)"), "{eight}");
     show(&format!(
-        "\n{two}\n(two ranks, rel_sigkill_rank x{SIGKILL_REPEAT}: {:.0}s)\n\n{three}\n(three ranks: {:.0}s)\n",
+        "\n{two}\n(two ranks, rel_sigkill_rank x{SIGKILL_REPEAT}: {:.0}s)\n\n{three}\n(three ranks: {:.0}s)\n\n{eight}\n(eight ranks: {:.0}s)\n",
         took_two.as_secs_f64(),
-        took_three.as_secs_f64()
+        took_three.as_secs_f64(),
+        took_eight.as_secs_f64()
     ));
 }
