@@ -18,7 +18,7 @@
 
 mod common;
 
-use std::ffi::c_void;
+use std::ffi::{c_char, c_void};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -40,18 +40,25 @@ const READY: &str = "GPU_EMU_PROC_READY";
 /// Bytes of the IPC test's buffer: not a whole number of pages.
 const IPC_BYTES: usize = 3 * 4096 + 1000;
 
-fn hex(id: &ncclUniqueId) -> String {
-    id.internal
-        .iter()
-        .map(|b| format!("{:02x}", *b as u8))
-        .collect()
+/// `bytes` as hex, two digits each.
+fn hex(bytes: &[c_char]) -> String {
+    bytes.iter().map(|b| format!("{:02x}", *b as u8)).collect()
 }
 
-fn unhex(s: &str) -> ncclUniqueId {
-    let mut id = ncclUniqueId::default();
-    for (i, b) in id.internal.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("hex id") as _;
+/// Fills `out` from [`hex`]'s text.
+fn unhex(s: &str, out: &mut [c_char]) {
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("hex") as _;
     }
+}
+
+fn id_hex(id: &ncclUniqueId) -> String {
+    hex(&id.internal)
+}
+
+fn id_unhex(s: &str) -> ncclUniqueId {
+    let mut id = ncclUniqueId::default();
+    unhex(s, &mut id.internal);
     id
 }
 
@@ -73,7 +80,7 @@ fn spawn_with(
         .envs(env.iter().copied())
         .args(["--exact", "child", "--nocapture", "--test-threads", "1"])
         .env(ROLE, format!("{role}:{rank}:{n}"))
-        .env(ID, hex(id))
+        .env(ID, id_hex(id))
         .env(SEED, seed.to_string())
         .stdout(Stdio::null())
         .spawn()
@@ -470,7 +477,7 @@ fn child() {
             .expect("role spec")
     };
     let (rank, n) = (num(), num());
-    let id = unhex(&std::env::var(ID).expect("id"));
+    let id = id_unhex(&std::env::var(ID).expect("id"));
     let seed: u64 = std::env::var(SEED).expect("seed").parse().expect("seed");
     match role.as_str() {
         "every" => every_operation(rank, n, id, seed),
@@ -505,24 +512,15 @@ fn child() {
         "ipc" | "ipc_hold" => ipc_child(&role, seed),
         "make_id" => {
             cuda();
-            println!("ID={}", hex(&unique_id()));
+            println!("ID={}", id_hex(&unique_id()));
         }
         other => panic!("unknown role {other}"),
     }
 }
 
-fn handle_hex(h: &CUipcMemHandle) -> String {
-    h.reserved
-        .iter()
-        .map(|b| format!("{:02x}", *b as u8))
-        .collect()
-}
-
 fn handle_unhex(s: &str) -> CUipcMemHandle {
     let mut h = CUipcMemHandle { reserved: [0; 64] };
-    for (i, b) in h.reserved.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("hex handle") as _;
-    }
+    unhex(s, &mut h.reserved);
     h
 }
 
@@ -623,7 +621,7 @@ fn ipc_maps_the_same_bytes_in_another_process() {
     let gone = alloc(4096);
     let stale = ipc_export(gone);
     free(gone);
-    let handles = format!("{},{}", handle_hex(&h), handle_hex(&stale));
+    let handles = format!("{},{}", hex(&h.reserved), hex(&stale.reserved));
     let id = ncclUniqueId::default();
     let mut kid = spawn_with("ipc", 1, 2, &id, seed, &[(HANDLES, handles.as_str())]);
     wait_ok(&mut kid, Duration::from_secs(30));
@@ -775,14 +773,14 @@ fn an_id_whose_root_process_exited_fails_init_at_once() {
     let out = Command::new(std::env::current_exe().expect("current exe"))
         .args(["--exact", "child", "--nocapture", "--test-threads", "1"])
         .env(ROLE, "make_id:0:1")
-        .env(ID, hex(&ncclUniqueId::default()))
+        .env(ID, id_hex(&ncclUniqueId::default()))
         .env(SEED, "0")
         .output()
         .expect("running the id maker");
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
     let at = text.find("ID=").expect("the id") + 3;
-    let id = unhex(&text[at..at + 256]);
+    let id = id_unhex(&text[at..at + 256]);
     let t = Instant::now();
     let mut c = std::ptr::null_mut();
     // SAFETY: valid out-parameter.
