@@ -11,10 +11,10 @@
 //!   `CUDA_ERROR_INVALID_CONTEXT`, as the driver answers (ranks that are
 //!   threads of one process reach each other's memory by address, with
 //!   peer access);
-//! - a handle names one allocation (its address, descriptor and a serial
-//!   number drawn when it is first exported, which the memfd's header page
-//!   repeats), so a handle of memory freed since, even if the address or
-//!   the descriptor was reused, is `CUDA_ERROR_INVALID_HANDLE`;
+//! - a handle names one allocation (its descriptor and a serial number
+//!   drawn when it is first exported, which the memfd's header page
+//!   repeats), so a handle of memory freed since, even if the descriptor
+//!   was reused, is `CUDA_ERROR_INVALID_HANDLE`;
 //! - each open is counted per opening device and closed once; a second
 //!   open of one handle on a device returns the same address;
 //! - freeing an allocation while another process still has it open (the
@@ -76,12 +76,10 @@ pub(crate) fn violation(start: u64, opens: u32) {
     );
 }
 
-/// A handle: the exporting process, the allocation's address there, and
-/// its export.
+/// A handle: the exporting process and its export.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Handle {
     pid: u32,
-    start: u64,
     export: Export,
 }
 
@@ -90,7 +88,6 @@ fn encode(h: &Handle) -> CUipcMemHandle {
     b[..8].copy_from_slice(MAGIC);
     b[8..12].copy_from_slice(&h.pid.to_le_bytes());
     b[12..16].copy_from_slice(&h.export.fd.to_le_bytes());
-    b[16..24].copy_from_slice(&h.start.to_le_bytes());
     b[24..32].copy_from_slice(&h.export.serial.to_le_bytes());
     b[32..40].copy_from_slice(&(h.export.len as u64).to_le_bytes());
     b[40..48].copy_from_slice(&(h.export.mapped as u64).to_le_bytes());
@@ -108,7 +105,6 @@ fn decode(h: &CUipcMemHandle) -> Option<Handle> {
     let u64_at = |i: usize| b[i..i + 8].try_into().ok().map(u64::from_le_bytes);
     Some(Handle {
         pid: u32_at(8)?,
-        start: u64_at(16)?,
         export: Export {
             fd: i32::from_le_bytes(b[12..16].try_into().ok()?),
             serial: u64_at(24)?,
@@ -138,7 +134,6 @@ pub unsafe extern "C" fn cuIpcGetMemHandle(
             let export = memory::share(dptr)?;
             let h = encode(&Handle {
                 pid: std::process::id(),
-                start: dptr,
                 export,
             });
             // SAFETY: `handle` is non-null and valid (this function's contract).
@@ -267,7 +262,6 @@ mod tests {
     fn handles_round_trip() {
         let h = Handle {
             pid: 7,
-            start: 0x1000,
             export: Export {
                 fd: 9,
                 serial: 3,

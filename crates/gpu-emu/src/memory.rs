@@ -78,6 +78,23 @@ struct Alloc {
     backing: Backing,
 }
 
+impl Alloc {
+    /// What another process needs to map it, once exported.
+    fn export(&self) -> Option<Export> {
+        match self.backing {
+            Backing::Shared {
+                mapped, fd, serial, ..
+            } => Some(Export {
+                fd,
+                serial,
+                len: self.len,
+                mapped,
+            }),
+            _ => None,
+        }
+    }
+}
+
 /// The page after an export's data, shared by the exporter and every
 /// process that maps it: who made it, and how many mappings other
 /// processes hold.
@@ -400,19 +417,11 @@ pub(crate) fn share(start: u64) -> Result<Export, CUresult> {
         .map
         .get_mut(&start)
         .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
-    let mapped = match a.backing {
-        Backing::Private { mapped } => mapped,
-        Backing::Shared {
-            mapped, fd, serial, ..
-        } => {
-            return Ok(Export {
-                fd,
-                serial,
-                len: a.len,
-                mapped,
-            });
-        }
-        Backing::Heap | Backing::Imported { .. } => return Err(CUresult::CUDA_ERROR_INVALID_VALUE),
+    if let Some(e) = a.export() {
+        return Ok(e);
+    }
+    let Backing::Private { mapped } = a.backing else {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
     };
     let pg = page();
     let oom = |what: &str| {
@@ -470,12 +479,7 @@ pub(crate) fn share(start: u64) -> Result<Export, CUresult> {
         header: tmp + mapped as u64,
         serial,
     };
-    Ok(Export {
-        fd,
-        serial,
-        len: a.len,
-        mapped,
-    })
+    a.export().ok_or(CUresult::CUDA_ERROR_UNKNOWN)
 }
 
 /// A mapping of another process's export: its data (registered on the
