@@ -1,8 +1,10 @@
-//! The one-shot kernel's own cost on one GPU (criterion): `k` = 2, 4 and 8
+//! The one-shot kernels' own cost on one GPU (criterion): `k` = 2, 4 and 8
 //! ranks simulated on device 0 (`comm_suite::one_shot_local`), each rank's
 //! kernel on its own stream, per call at 8 B to 1 MiB, eager (the host
 //! launches every rank's kernel per call) and in replayed graphs of
-//! [`GRAPH_CALLS`] calls per rank (the GPU's time per call); and, as the
+//! [`GRAPH_CALLS`] calls per rank (the GPU's time per call), in bf16; the
+//! f16 and f32 kernels in replayed graphs at `k` = 2
+//! (`one_shot_local/graph_f16/k2`, `graph_f32/k2`); and, as the
 //! floor of a replayed call, `one_shot_local/graph/floor`: one 8-value
 //! `bf16_add_inplace` per rank per call, in the same graphs on the same
 //! two streams. It shows the
@@ -12,8 +14,8 @@
 //! device (it refuses two ranks there); the cross-GPU comparison is the
 //! collectives bench's `all_reduce_paths` groups.
 //!
-//! `METRALE_ONE_SHOT_PTX=FILE` loads the kernel from `FILE` instead of the
-//! committed PTX: a change to `bf16_one_shot.cu` compiled with `cargo xtask
+//! `METRALE_ONE_SHOT_PTX=FILE` loads the kernels from `FILE` instead of the
+//! committed PTX: a change to `one_shot.cu` compiled with `cargo xtask
 //! ptx` can be timed against the committed one on a box without Rust.
 //!
 //! Invariants: every (k, size) starts from data checked once against the
@@ -23,10 +25,11 @@
 
 use std::time::{Duration, Instant};
 
+use comm_suite::data::SuiteElem;
 use comm_suite::one_shot_local::{LANE_EAGER, LocalOneShot};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use half::bf16;
-use metrale_comm::kernels;
+use half::{bf16, f16};
+use metrale_comm::kernels::{self, OneShotElement};
 use nccl_safe::{Context, DeviceBuffer, GraphExec, Module, Stream};
 
 /// Calls per rank in one captured graph.
@@ -46,15 +49,15 @@ fn one_shot_local(c: &mut Criterion) {
             println!("one_shot_local: the kernel from {}", path.to_string_lossy());
             std::fs::read_to_string(&path).expect("METRALE_ONE_SHOT_PTX names a PTX file")
         }
-        None => kernels::BF16_ONE_SHOT_PTX.to_owned(),
+        None => kernels::ONE_SHOT_PTX.to_owned(),
     };
     let module = Module::load_ptx(&ctx, &ptx).expect("the one-shot PTX");
     let f = module
         .function(kernels::BF16_ONE_SHOT_NAME)
         .expect("the one-shot entry point");
     for k in [2usize, 4, 8] {
-        let mut g =
-            LocalOneShot::new(&ctx, k, SLOT_BYTES, Duration::from_secs(30)).expect("buffers");
+        let mut g = LocalOneShot::<bf16>::new(&ctx, k, SLOT_BYTES, Duration::from_secs(30))
+            .expect("buffers");
         let mut eager = c.benchmark_group(format!("one_shot_local/eager/k{k}"));
         for bytes in SIZES {
             let n = bytes / 2;
@@ -75,18 +78,7 @@ fn one_shot_local(c: &mut Criterion) {
             });
         }
         eager.finish();
-        let mut graph = c.benchmark_group(format!("one_shot_local/graph/k{k}"));
-        for bytes in SIZES {
-            let n = bytes / 2;
-            let execs: Vec<_> = (0..k)
-                .map(|r| g.capture(&f, r, n, GRAPH_CALLS as usize).expect("capture"))
-                .collect();
-            graph.throughput(Throughput::Bytes(bytes as u64));
-            graph.bench_with_input(BenchmarkId::from_parameter(bytes), &n, |b, _| {
-                b.iter_custom(|iters| replay(&g, &execs, iters))
-            });
-        }
-        graph.finish();
+        graphs(c, &format!("one_shot_local/graph/k{k}"), &g, &f);
         if k == 2 {
             let floor_graphs = Floor::new(&ctx, &g).expect("the floor's graphs");
             let mut floor = c.benchmark_group("one_shot_local/graph/floor");
@@ -96,11 +88,59 @@ fn one_shot_local(c: &mut Criterion) {
             floor.finish();
         }
     }
+    typed_graphs::<f16>(c, &ctx, &module, "graph_f16");
+    typed_graphs::<f32>(c, &ctx, &module, "graph_f32");
+}
+
+/// The group `name`: graphs of [`GRAPH_CALLS`] calls per rank of `g`,
+/// replayed, at every size.
+fn graphs<T: OneShotElement + SuiteElem>(
+    c: &mut Criterion,
+    name: &str,
+    g: &LocalOneShot<T>,
+    f: &nccl_safe::Function,
+) {
+    let mut graph = c.benchmark_group(name);
+    for bytes in SIZES {
+        let n = bytes / T::DATA_TYPE.size();
+        let execs: Vec<_> = (0..g.ranks())
+            .map(|r| g.capture(f, r, n, GRAPH_CALLS as usize).expect("capture"))
+            .collect();
+        graph.throughput(Throughput::Bytes(bytes as u64));
+        graph.bench_with_input(BenchmarkId::from_parameter(bytes), &n, |b, _| {
+            b.iter_custom(|iters| replay(g, &execs, iters))
+        });
+    }
+    graph.finish();
+}
+
+/// `T`'s kernel on 2 ranks, in replayed graphs (`one_shot_local/{group}/k2`),
+/// after one call checked against the host reference.
+fn typed_graphs<T: OneShotElement + SuiteElem>(
+    c: &mut Criterion,
+    ctx: &std::sync::Arc<Context>,
+    module: &Module,
+    group: &str,
+) {
+    let name = kernels::one_shot_name(T::DATA_TYPE).expect("a one-shot type");
+    let f = module.function(name).expect("the one-shot entry point");
+    let mut g =
+        LocalOneShot::<T>::new(ctx, 2, SLOT_BYTES, Duration::from_secs(30)).expect("buffers");
+    let n = g.max_elems();
+    let inputs = g.fill(0x1ca1, n).expect("fill");
+    g.launch_all(&f, n, LANE_EAGER).expect("launch");
+    g.wait().expect("wait");
+    g.check("the first call", &inputs).expect("the sum");
+    graphs(c, &format!("one_shot_local/{group}/k2"), &g, &f);
 }
 
 /// Replays every rank's graph until `iters` calls ran; the time scaled to
 /// `iters` calls.
-fn replay(g: &LocalOneShot, execs: &[GraphExec], iters: u64) -> Duration {
+fn replay<T: OneShotElement + SuiteElem>(
+    g: &LocalOneShot<T>,
+    execs: &[GraphExec],
+    iters: u64,
+) -> Duration {
     let launches = iters.div_ceil(GRAPH_CALLS);
     let t = Instant::now();
     for _ in 0..launches {
@@ -124,7 +164,7 @@ struct Floor {
 }
 
 impl Floor {
-    fn new(ctx: &std::sync::Arc<Context>, g: &LocalOneShot) -> anyhow::Result<Floor> {
+    fn new(ctx: &std::sync::Arc<Context>, g: &LocalOneShot<bf16>) -> anyhow::Result<Floor> {
         let module = Module::load_ptx(ctx, kernels::BF16_ADD_PTX)?;
         let add = module.function(kernels::BF16_ADD_NAME)?;
         let dst = DeviceBuffer::<bf16>::from_host(ctx, &[bf16::ONE; 8])?;

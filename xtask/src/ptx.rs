@@ -53,8 +53,8 @@ const KERNELS: &[(&str, &str)] = &[
         "crates/metrale-comm/kernels/bf16_add.ptx",
     ),
     (
-        "crates/metrale-comm/kernels/bf16_one_shot.cu",
-        "crates/metrale-comm/kernels/bf16_one_shot.ptx",
+        "crates/metrale-comm/kernels/one_shot.cu",
+        "crates/metrale-comm/kernels/one_shot.ptx",
     ),
 ];
 

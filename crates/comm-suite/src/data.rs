@@ -10,6 +10,7 @@
 //! check looks at every element.
 
 use half::bf16;
+use metrale_comm::kernels::OneShotElement;
 use nccl_safe::Element;
 
 /// The byte every output buffer is filled with before a run (all-ones:
@@ -48,7 +49,8 @@ pub trait SuiteElem: Element + std::fmt::Debug {
     fn bits(self) -> u64;
     /// One unit in the last place at magnitude `x`.
     fn ulp(x: f64) -> f64;
-    /// The one-shot all-reduce's result, for the type it serves (bf16).
+    /// The one-shot all-reduce's result, for the types it serves (bf16,
+    /// f16, f32).
     fn one_shot_sum(_inputs: &[Vec<Self>]) -> Option<Vec<Self>> {
         None
     }
@@ -97,6 +99,9 @@ impl SuiteElem for half::f16 {
     fn ulp(x: f64) -> f64 {
         x.abs().max(1e-3) * 2f64.powi(-10)
     }
+    fn one_shot_sum(inputs: &[Vec<Self>]) -> Option<Vec<Self>> {
+        Some(one_shot_reference(inputs.len(), |k| inputs[k].clone()))
+    }
 }
 
 impl SuiteElem for f32 {
@@ -114,6 +119,9 @@ impl SuiteElem for f32 {
     }
     fn ulp(x: f64) -> f64 {
         x.abs().max(1e-3) * 2f64.powi(-23)
+    }
+    fn one_shot_sum(inputs: &[Vec<Self>]) -> Option<Vec<Self>> {
+        Some(one_shot_reference(inputs.len(), |k| inputs[k].clone()))
     }
 }
 
@@ -162,8 +170,7 @@ pub fn all_reduce_reference<T: SuiteElem>(
     inputs: &[Vec<T>],
 ) -> Vec<T> {
     let bytes = inputs.first().map_or(0, |v| v.len() * T::DATA_TYPE.size());
-    if T::DATA_TYPE == nccl_safe::DataType::Bfloat16
-        && b.all_reduce_path(bytes) == metrale_comm::AllReducePath::OneShot
+    if b.all_reduce_path_of(T::DATA_TYPE, bytes) == metrale_comm::AllReducePath::OneShot
         && let Some(sum) = T::one_shot_sum(inputs)
     {
         return sum;
@@ -173,14 +180,26 @@ pub fn all_reduce_reference<T: SuiteElem>(
 
 /// The one-shot all-reduce's result for `world` ranks whose inputs
 /// `input(rank)` gives (`metrale_comm::kernels::one_shot_sum`'s arithmetic:
-/// the f32 sum in rank order rounded once, a (+0.0, -0.0) pair at an even
-/// index read as (+0.0, +0.0)), one rank's input in memory at a time.
-pub fn one_shot_reference(world: usize, input: impl Fn(usize) -> Vec<bf16>) -> Vec<bf16> {
-    let canon = |v: &[bf16]| -> Vec<f32> {
+/// the f32 sum in rank order rounded once to the type, a (+0.0, -0.0) pair
+/// of bf16 or f16 at an even index read as (+0.0, +0.0), an f32 -0.0 read
+/// as +0.0), one rank's input in memory at a time.
+pub fn one_shot_reference<T: OneShotElement + SuiteElem>(
+    world: usize,
+    input: impl Fn(usize) -> Vec<T>,
+) -> Vec<T> {
+    let canon = |v: &[T]| -> Vec<f32> {
         let mut out: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
-        for (pair, o) in v.chunks(2).zip(out.chunks_mut(2)) {
-            if pair.len() == 2 && pair[0].to_bits() == 0 && pair[1].to_bits() == 0x8000 {
-                o[1] = 0.0;
+        if T::DATA_TYPE.size() == 4 {
+            for (x, o) in v.iter().zip(&mut out) {
+                if x.bits() == 0x8000_0000 {
+                    *o = 0.0;
+                }
+            }
+        } else {
+            for (pair, o) in v.chunks(2).zip(out.chunks_mut(2)) {
+                if pair.len() == 2 && pair[0].bits() == 0 && pair[1].bits() == 0x8000 {
+                    o[1] = 0.0;
+                }
             }
         }
         out
@@ -191,7 +210,7 @@ pub fn one_shot_reference(world: usize, input: impl Fn(usize) -> Vec<bf16>) -> V
             *a += x;
         }
     }
-    acc.into_iter().map(bf16::from_f32).collect()
+    acc.into_iter().map(T::from_f32).collect()
 }
 
 /// Checks every element of `got` against `want`: bit-exact when `exact`,
@@ -291,6 +310,21 @@ mod tests {
         }
         let lib = metrale_comm::kernels::one_shot_sum(&inputs).unwrap();
         let ours = one_shot_reference(5, |k| inputs[k].clone());
+        assert_eq!(
+            lib.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            ours.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+        let mut inputs: Vec<Vec<half::f16>> = (0..3).map(|k| random_vec(4, k, 9, 33)).collect();
+        inputs[1][2] = half::f16::from_bits(0);
+        inputs[1][3] = half::f16::from_bits(0x8000);
+        inputs[2][7] = half::f16::from_bits(0x8000);
+        let lib = metrale_comm::kernels::one_shot_sum(&inputs).unwrap();
+        assert_eq!(lib, one_shot_reference(3, |k| inputs[k].clone()));
+        let mut inputs: Vec<Vec<f32>> = (0..7).map(|k| random_vec(5, k, 9, 33)).collect();
+        inputs[0][0] = -0.0;
+        inputs[1][0] = -0.0;
+        let lib = metrale_comm::kernels::one_shot_sum(&inputs).unwrap();
+        let ours = one_shot_reference(7, |k| inputs[k].clone());
         assert_eq!(
             lib.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
             ours.iter().map(|x| x.to_bits()).collect::<Vec<_>>()

@@ -1,5 +1,5 @@
-//! The one-shot kernel outside the backend: `k` ranks simulated on one
-//! device ([`LocalOneShot`]), for the `oneshot_kernel_one_device` scenario
+//! The one-shot kernels outside the backend: `k` ranks simulated on one
+//! device ([`LocalOneShot`], one element type per value), for the `oneshot_kernel_one_device` scenario
 //! and the `one_shot_local` benchmark. One GPU can run this where the
 //! backend cannot (NCCL refuses two ranks on one device); it shows the
 //! protocol and arithmetic on the GPU's memory model, not NVLink.
@@ -14,11 +14,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
-use half::bf16;
-use metrale_comm::kernels;
+use metrale_comm::kernels::{self, OneShotElement};
 use nccl_safe::{Context, DeviceBuffer, Function, GraphExec, HostWords, Stream};
 
-use crate::data::random_vec;
+use crate::data::{SuiteElem, random_vec};
 
 const WAIT: Duration = Duration::from_secs(60);
 /// The lane of calls captured into graphs.
@@ -26,23 +25,23 @@ pub const LANE_GRAPH: u32 = 1;
 /// The lane of eager calls.
 pub const LANE_EAGER: u32 = 0;
 
-/// `k` ranks of the one-shot kernel simulated on one device: each has its
-/// own receive buffer, control block, pinned flags (abort, status), data
-/// buffer of one slot and stream, and every control block names the
+/// `k` ranks of the one-shot kernel of `T` simulated on one device: each
+/// has its own receive buffer, control block, pinned flags (abort, status),
+/// data buffer of one slot and stream, and every control block names the
 /// others' buffers by address; one side stream runs a second call of any
 /// rank beside its first.
-pub struct LocalOneShot {
+pub struct LocalOneShot<T: OneShotElement> {
     k: usize,
     slot_bytes: usize,
     _recv: Vec<DeviceBuffer<u32>>,
     ctrl: Vec<DeviceBuffer<u64>>,
     flags: Vec<HostWords>,
-    data: Vec<DeviceBuffer<bf16>>,
+    data: Vec<DeviceBuffer<T>>,
     streams: Vec<Stream>,
     side: Stream,
 }
 
-impl Drop for LocalOneShot {
+impl<T: OneShotElement> Drop for LocalOneShot<T> {
     fn drop(&mut self) {
         for f in &self.flags {
             f.store(0, 1);
@@ -58,7 +57,7 @@ impl Drop for LocalOneShot {
     }
 }
 
-impl LocalOneShot {
+impl<T: OneShotElement + SuiteElem> LocalOneShot<T> {
     /// `k` ranks (2 to 8) with slots of `slot_bytes` (a multiple of 16);
     /// a spinning thread gives up after `timeout`.
     pub fn new(
@@ -66,7 +65,7 @@ impl LocalOneShot {
         k: usize,
         slot_bytes: usize,
         timeout: Duration,
-    ) -> anyhow::Result<LocalOneShot> {
+    ) -> anyhow::Result<LocalOneShot<T>> {
         ensure!(
             (2..=8).contains(&k) && slot_bytes > 0 && slot_bytes.is_multiple_of(16),
             "{k} ranks with {slot_bytes}-byte slots"
@@ -94,7 +93,10 @@ impl LocalOneShot {
             .context("control block")?;
             ctrl.push(DeviceBuffer::from_host(c, &words)?);
             flags.push(f);
-            data.push(DeviceBuffer::<bf16>::alloc(c, slot_bytes / 2)?);
+            data.push(DeviceBuffer::<T>::alloc(
+                c,
+                slot_bytes / T::DATA_TYPE.size(),
+            )?);
             streams.push(Stream::new(c)?);
         }
         Ok(LocalOneShot {
@@ -116,7 +118,7 @@ impl LocalOneShot {
 
     /// The largest call, in elements.
     pub fn max_elems(&self) -> usize {
-        self.slot_bytes / 2
+        self.slot_bytes / T::DATA_TYPE.size()
     }
 
     /// Rank `r`'s stream.
@@ -130,15 +132,19 @@ impl LocalOneShot {
         &self.flags[r]
     }
 
-    /// Random inputs of `n` elements for every rank (one pair of them the
-    /// "not arrived" word), copied into the data buffers.
-    pub fn fill(&mut self, seed: u64, n: usize) -> anyhow::Result<Vec<Vec<bf16>>> {
+    /// Random inputs of `n` elements for every rank (the word at byte 8 of
+    /// odd ranks' the "not arrived" word: the pair (+0.0, -0.0), or the f32
+    /// -0.0), copied into the data buffers.
+    pub fn fill(&mut self, seed: u64, n: usize) -> anyhow::Result<Vec<Vec<T>>> {
         let mut inputs = Vec::with_capacity(self.k);
+        let per_word = 4 / T::DATA_TYPE.size();
+        let at = 8 / T::DATA_TYPE.size();
         for r in 0..self.k {
-            let mut v: Vec<bf16> = random_vec(seed, r, n as u64, n);
-            if n >= 4 && r % 2 == 1 {
-                v[2] = bf16::from_bits(0x0000);
-                v[3] = bf16::from_bits(0x8000);
+            let mut v: Vec<T> = random_vec(seed, r, n as u64, n);
+            if n >= at + per_word && r % 2 == 1 {
+                for (k, x) in v[at..at + per_word].iter_mut().enumerate() {
+                    *x = T::from_f32(if k + 1 == per_word { -0.0 } else { 0.0 });
+                }
             }
             self.data[r].copy_prefix_from_host(&v)?;
             inputs.push(v);
@@ -146,8 +152,8 @@ impl LocalOneShot {
         Ok(inputs)
     }
 
-    /// Launches rank `r`'s kernel (`f`, the one-shot entry point of this
-    /// context) on `n <= max_elems()` values on its stream.
+    /// Launches rank `r`'s kernel (`f`, the one-shot entry point of `T` in
+    /// this context) on `n <= max_elems()` values on its stream.
     pub fn launch(&self, f: &Function, r: usize, n: usize, lane: u32) -> anyhow::Result<()> {
         self.launch_on(f, r, n, lane, &self.streams[r])
     }
@@ -171,8 +177,8 @@ impl LocalOneShot {
             r < self.k && (1..=self.max_elems()).contains(&n) && lane < 2,
             "rank {r}, {n} values, lane {lane}"
         );
-        // SAFETY: `f` is the one-shot entry point of this context (this
-        // function's contract); `ctrl` is this rank's control block, laid
+        // SAFETY: `f` is the one-shot entry point of `T` in this context
+        // (this function's contract); `ctrl` is this rank's control block, laid
         // out by `one_shot_ctrl`, naming live receive buffers of this
         // context; `data` holds at least `n` values; all stay allocated
         // until `self` is dropped, after every stream (the side stream
@@ -182,7 +188,7 @@ impl LocalOneShot {
                 f,
                 self.ctrl[r].device_ptr(),
                 self.data[r].device_ptr(),
-                n,
+                (n, T::DATA_TYPE),
                 lane,
                 stream.raw(),
             )
@@ -213,25 +219,26 @@ impl LocalOneShot {
     }
 
     /// Rank `r`'s data buffer, on the host.
-    pub fn output(&self, r: usize) -> anyhow::Result<Vec<bf16>> {
+    pub fn output(&self, r: usize) -> anyhow::Result<Vec<T>> {
         Ok(self.data[r].to_host_vec()?)
     }
 
     /// Checks every rank's first `n` values against the reference of
     /// `inputs` (what [`LocalOneShot::fill`] returned), bit for bit.
-    pub fn check(&self, what: &str, inputs: &[Vec<bf16>]) -> anyhow::Result<()> {
+    pub fn check(&self, what: &str, inputs: &[Vec<T>]) -> anyhow::Result<()> {
         let n = inputs[0].len();
         let want = kernels::one_shot_sum(inputs).map_err(anyhow::Error::msg)?;
         for r in 0..self.k {
             let got = self.data[r].to_host_vec()?;
-            if let Some(i) = (0..n).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+            if let Some(i) = (0..n).find(|&i| got[i].to_bits32() != want[i].to_bits32()) {
                 bail!(
-                    "{what}, {} ranks, rank {r}: element {i} of {n} is {} (bits {:#06x}), want {} ({:#06x})",
+                    "{what}, {} {} ranks, rank {r}: element {i} of {n} is {:?} (bits {:#x}), want {:?} ({:#x})",
                     self.k,
+                    T::DATA_TYPE,
                     got[i],
-                    got[i].to_bits(),
+                    got[i].to_bits32(),
                     want[i],
-                    want[i].to_bits()
+                    want[i].to_bits32()
                 );
             }
         }

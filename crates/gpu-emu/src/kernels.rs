@@ -1,6 +1,7 @@
 //! Modules and kernels: PTX `.entry` names are parsed, and the project's
 //! kernels that the emulator knows run as host code on the stream
-//! (`bf16_add_inplace` here, `bf16_one_shot_all_reduce` in `one_shot`).
+//! (`bf16_add_inplace` here; `bf16_one_shot_all_reduce`,
+//! `f16_one_shot_all_reduce` and `f32_one_shot_all_reduce` in `one_shot`).
 //!
 //! Invariants:
 //! - A function handle exists only for an entry that is in its module's PTX
@@ -27,17 +28,16 @@ use crate::{Table, driver, guard, id_to_ptr, ptr_to_id, put};
 enum Kernel {
     /// `bf16_add_inplace(bf16* dst, const bf16* src, u64 n)`.
     Bf16AddInplace,
-    /// `bf16_one_shot_all_reduce(OsCtrl* ctrl, bf16* data, u64 n, u32
-    /// lane)`, run by `one_shot`.
-    Bf16OneShotAllReduce,
+    /// `{bf16,f16,f32}_one_shot_all_reduce(OsCtrl* ctrl, T* data, u64 n,
+    /// u32 lane)`, run by `one_shot`.
+    OneShotAllReduce(crate::one_shot::Elem),
 }
 
 impl Kernel {
     fn by_name(name: &str) -> Option<Self> {
         match name {
             "bf16_add_inplace" => Some(Kernel::Bf16AddInplace),
-            crate::one_shot::NAME => Some(Kernel::Bf16OneShotAllReduce),
-            _ => None,
+            _ => crate::one_shot::Elem::by_name(name).map(Kernel::OneShotAllReduce),
         }
     }
 }
@@ -237,7 +237,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
                     });
                     stream::submit(&target, l)
                 }
-                Kernel::Bf16OneShotAllReduce => {
+                Kernel::OneShotAllReduce(elem) => {
                     // SAFETY: `params` holds pointers to the four arguments
                     // (this function's contract).
                     let (ctrl, data, n, lane) = unsafe {
@@ -252,7 +252,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
                             p[3].cast::<u32>().read_unaligned(),
                         )
                     };
-                    let l = crate::one_shot::launcher(ctrl, data, n, lane, dev)?;
+                    let l = crate::one_shot::launcher(elem, (ctrl, data, n, lane), dev)?;
                     stream::submit(&target, l)
                 }
             }

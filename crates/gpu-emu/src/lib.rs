@@ -37,8 +37,9 @@
 //! - **Kernels**: `cuModuleLoadData` reads the `.entry` names of PTX text;
 //!   the project's kernels run on the host with the GPU's arithmetic:
 //!   `bf16_add_inplace` (`bf16(f32(dst) + f32(src))`, round to nearest
-//!   even) and `bf16_one_shot_all_reduce` (its push, flag-free wait, rank
-//!   order f32 sum, clear and bounded spin over peer memory; `one_shot`).
+//!   even) and the one-shot all-reduces of bf16, f16 and f32 (their push,
+//!   flag-free wait, rank-order f32 sum, clear and bounded spin over peer
+//!   memory; `one_shot`).
 //! - **IPC**: `cuIpcGetMemHandle`, `cuIpcOpenMemHandle_v2` and
 //!   `cuIpcCloseMemHandle` between processes of this host (the exported
 //!   pages are a memfd's, mapped by the other process); a handle opened in

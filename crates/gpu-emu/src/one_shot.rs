@@ -1,9 +1,10 @@
-//! The host implementation of metrale-comm's `bf16_one_shot_all_reduce`
-//! kernel (`crates/metrale-comm/kernels/bf16_one_shot.cu`): the same
-//! protocol over the same memory layout, with the GPU's arithmetic, so the
-//! one-shot path runs across emulated ranks (threads of this process,
-//! reaching the peers' buffers by their addresses, or processes, through
-//! the IPC mappings of the peers' pages).
+//! The host implementation of metrale-comm's one-shot all-reduce kernels
+//! (`bf16_one_shot_all_reduce`, `f16_one_shot_all_reduce` and
+//! `f32_one_shot_all_reduce` in `crates/metrale-comm/kernels/one_shot.cu`):
+//! the same protocol over the same memory layout, with the GPU's
+//! arithmetic, so the one-shot path runs across emulated ranks (threads of
+//! this process, reaching the peers' buffers by their addresses, or
+//! processes, through the IPC mappings of the peers' pages).
 //!
 //! One launch runs as one block that covers every element. What it keeps
 //! from the GPU kernel:
@@ -13,8 +14,8 @@
 //!   `failed` word) is read and written in place;
 //! - the push of the (sentinel-replaced) input into slot `rank` of every
 //!   peer's buffer, then the wait for every peer's slot in its own buffer,
-//!   the f32 sum in rank order, the clear back to the sentinel and the bf16
-//!   rounding (nearest even) into the data;
+//!   the f32 sum in rank order, the clear back to the sentinel and the
+//!   rounding to the type (nearest even; none for f32) into the data;
 //! - the lane's owner (a call that finds it held by another records the
 //!   concurrent-use status and touches nothing), the epoch that picks the
 //!   half, and the bounded spin: past the spin bound, or once the abort
@@ -35,14 +36,77 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use cuda_sys::CUresult;
-use half::bf16;
+use half::{bf16, f16};
 
 use crate::driver;
 use crate::memory::{self, Span, range_ok};
 use crate::stream::Launcher;
 
-/// The kernel's entry name.
-pub(crate) const NAME: &str = "bf16_one_shot_all_reduce";
+/// The element type of a one-shot kernel: how 16 bytes of it become f32
+/// values and back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Elem {
+    Bf16,
+    F16,
+    F32,
+}
+
+impl Elem {
+    /// The type whose kernel has the entry name `name`.
+    pub(crate) fn by_name(name: &str) -> Option<Elem> {
+        [Elem::Bf16, Elem::F16, Elem::F32]
+            .into_iter()
+            .find(|e| e.name() == name)
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Elem::Bf16 => "bf16_one_shot_all_reduce",
+            Elem::F16 => "f16_one_shot_all_reduce",
+            Elem::F32 => "f32_one_shot_all_reduce",
+        }
+    }
+
+    /// Bytes of one value.
+    fn size(self) -> usize {
+        match self {
+            Elem::Bf16 | Elem::F16 => 2,
+            Elem::F32 => 4,
+        }
+    }
+
+    /// Values per 16-byte unit.
+    fn per_unit(self) -> usize {
+        16 / self.size()
+    }
+
+    /// The values of one word, as f32: two for the 16-bit types (the low
+    /// half first), one for f32 (and a 0.0 that nothing reads).
+    fn values(self, w: u32) -> [f32; 2] {
+        match self {
+            Elem::Bf16 => [f32::from_bits(w << 16), f32::from_bits(w & 0xFFFF_0000)],
+            Elem::F16 => [
+                f16::from_bits(w as u16).to_f32(),
+                f16::from_bits((w >> 16) as u16).to_f32(),
+            ],
+            Elem::F32 => [f32::from_bits(w), 0.0],
+        }
+    }
+
+    /// The word of the values `v` (laid out as [`Elem::values`] gives
+    /// them), rounded to the type to nearest even.
+    fn word(self, v: [f32; 2]) -> u32 {
+        let pair = |lo: u16, hi: u16| u32::from(lo) | (u32::from(hi) << 16);
+        match self {
+            Elem::Bf16 => pair(
+                bf16::from_f32(v[0]).to_bits(),
+                bf16::from_f32(v[1]).to_bits(),
+            ),
+            Elem::F16 => pair(f16::from_f32(v[0]).to_bits(), f16::from_f32(v[1]).to_bits()),
+            Elem::F32 => v[0].to_bits(),
+        }
+    }
+}
 
 const SENTINEL: u32 = 0x8000_0000;
 const CTRL_BYTES: usize = 136;
@@ -122,65 +186,60 @@ fn canon(w: u32) -> u32 {
     if w == SENTINEL { 0 } else { w }
 }
 
-/// Elements `8u .. 8u + 8` of `data` as four words; elements past `n` are
-/// +0.0.
+/// Unit `u` of `data` (its elements `per * u .. per * (u + 1)`, `per` the
+/// values of `e` in 16 bytes) as four words; elements past `n` are +0.0.
 ///
 /// # Safety
-/// `data` holds `n` bf16 values.
-unsafe fn load_unit(data: u64, n: usize, u: usize) -> [u32; 4] {
-    let mut e = [0u32; 8];
-    for (k, x) in e.iter_mut().enumerate() {
-        let i = 8 * u + k;
-        if i < n {
-            // SAFETY: `i < n` (this function's contract); unaligned reads
-            // keep odd addresses sound.
-            *x = u32::from(unsafe {
-                ((data + 2 * i as u64) as usize as *const u16).read_unaligned()
-            });
+/// `data` holds `n` values of `e`.
+unsafe fn load_unit(e: Elem, data: u64, n: usize, u: usize) -> [u32; 4] {
+    let per = e.per_unit();
+    let mut w = [0u32; 4];
+    for k in (0..per).take_while(|k| per * u + k < n) {
+        let at = (data + (e.size() * (per * u + k)) as u64) as usize;
+        // SAFETY: the element lies below `n` (this function's contract);
+        // unaligned reads keep odd addresses sound.
+        unsafe {
+            if e.size() == 2 {
+                w[k / 2] |= u32::from((at as *const u16).read_unaligned()) << (16 * (k % 2));
+            } else {
+                w[k] = (at as *const u32).read_unaligned();
+            }
         }
     }
-    [0, 1, 2, 3].map(|j| e[2 * j] | (e[2 * j + 1] << 16))
+    w
 }
 
-/// Writes the elements of `w` below `n` to elements `8u .. 8u + 8`.
+/// Writes the elements of `w` below `n` to unit `u` of `data`.
 ///
 /// # Safety
-/// `data` holds `n` bf16 values.
-unsafe fn store_unit(data: u64, n: usize, u: usize, w: [u32; 4]) {
-    for k in 0..8 {
-        let i = 8 * u + k;
-        if i < n {
-            let v = (w[k / 2] >> (16 * (k % 2))) as u16;
-            // SAFETY: `i < n` (this function's contract).
-            unsafe { ((data + 2 * i as u64) as usize as *mut u16).write_unaligned(v) };
+/// `data` holds `n` values of `e`.
+unsafe fn store_unit(e: Elem, data: u64, n: usize, u: usize, w: [u32; 4]) {
+    let per = e.per_unit();
+    for k in (0..per).take_while(|k| per * u + k < n) {
+        let at = (data + (e.size() * (per * u + k)) as u64) as usize;
+        // SAFETY: the element lies below `n` (this function's contract).
+        unsafe {
+            if e.size() == 2 {
+                (at as *mut u16).write_unaligned((w[k / 2] >> (16 * (k % 2))) as u16);
+            } else {
+                (at as *mut u32).write_unaligned(w[k]);
+            }
         }
     }
 }
 
-fn lo(w: u32) -> f32 {
-    f32::from_bits(w << 16)
-}
-
-fn hi(w: u32) -> f32 {
-    f32::from_bits(w & 0xFFFF_0000)
-}
-
-fn pack(lo: f32, hi: f32) -> u32 {
-    u32::from(bf16::from_f32(lo).to_bits()) | (u32::from(bf16::from_f32(hi).to_bits()) << 16)
-}
-
-/// The launch of `bf16_one_shot_all_reduce(ctrl, data, n, lane)` on a
+/// The launch of the one-shot kernel of `e`, `(ctrl, data, n, lane)`, on a
 /// stream of device `dev`: the ranges are checked now, and again when it
 /// runs.
 pub(crate) fn launcher(
-    ctrl: u64,
-    data: u64,
-    n: u64,
-    lane: u32,
+    e: Elem,
+    (ctrl, data, n, lane): (u64, u64, u64, u32),
     dev: i32,
 ) -> Result<Launcher, CUresult> {
     let n = usize::try_from(n).map_err(|_| CUresult::CUDA_ERROR_INVALID_VALUE)?;
-    let bytes = n.checked_mul(2).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    let bytes = n
+        .checked_mul(e.size())
+        .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
     if !ctrl.is_multiple_of(8) || !range_ok(ctrl, CTRL_BYTES, true) || !range_ok(data, bytes, true)
     {
         return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
@@ -191,8 +250,8 @@ pub(crate) fn launcher(
             if driver::sticky(dev).is_err() {
                 return;
             }
-            if run(ctrl, data, n, lane, tag).is_none() {
-                memory::illegal_address(dev, NAME, data, bytes);
+            if run(e, (ctrl, data, n, lane), tag).is_none() {
+                memory::illegal_address(dev, e.name(), data, bytes);
             }
         })
     }))
@@ -248,7 +307,7 @@ fn tag(launch: u64) -> u64 {
 }
 
 /// One execution; `None` when memory it needed was not allocated.
-fn run(ctrl: u64, data: u64, n: usize, lane: u32, tag: u64) -> Option<()> {
+fn run(e: Elem, (ctrl, data, n, lane): (u64, u64, usize, u32), tag: u64) -> Option<()> {
     let t0 = Instant::now();
     let ctrl_span = Span::device(ctrl, CTRL_BYTES);
     // SAFETY: the span holds the control block for the read.
@@ -259,7 +318,7 @@ fn run(ctrl: u64, data: u64, n: usize, lane: u32, tag: u64) -> Option<()> {
         || !(2..=MAX_RANKS).contains(&c.world)
         || c.rank >= c.world
         || n == 0
-        || (2 * n) as u64 > slot
+        || (e.size() * n) as u64 > slot
         || !slot.is_multiple_of(16)
     {
         return fail(STATUS_BAD_LAUNCH);
@@ -268,7 +327,7 @@ fn run(ctrl: u64, data: u64, n: usize, lane: u32, tag: u64) -> Option<()> {
         return Some(());
     }
     let lane_at = ctrl + OFF_LANES + LANE_BYTES * u64::from(lane);
-    // The claim (`bf16_one_shot.cu`): an OR of the launch's tag that finds
+    // The claim (`one_shot.cu`): an OR of the launch's tag that finds
     // no tag there (the emulator runs a launch's blocks as one, so none of
     // them finds its own launch's tag).
     // SAFETY: the lane's claim word (owner tag << 8 | epoch mod 256) lies
@@ -283,9 +342,9 @@ fn run(ctrl: u64, data: u64, n: usize, lane: u32, tag: u64) -> Option<()> {
     let (world, rank) = (c.world, c.rank);
     let half = u64::from(epoch & 1);
     let region = (u64::from(lane) * 2 + half) * world as u64 * slot;
-    let units = n.div_ceil(8);
+    let units = n.div_ceil(e.per_unit());
     let used = units * 16;
-    let data_span = Span::device(data, 2 * n);
+    let data_span = Span::device(data, e.size() * n);
 
     // 1. Push into slot `rank` of every peer.
     let mut push = vec![data_span];
@@ -297,7 +356,7 @@ fn run(ctrl: u64, data: u64, n: usize, lane: u32, tag: u64) -> Option<()> {
     memory::access(&push, || {
         for u in 0..units {
             // SAFETY: `data` holds `n` values (the span).
-            let v = unsafe { load_unit(data, n, u) }.map(canon);
+            let v = unsafe { load_unit(e, data, n, u) }.map(canon);
             for p in (0..world).filter(|&p| p != rank) {
                 let at = c.peer[p] + region + rank as u64 * slot + 16 * u as u64;
                 for (j, w) in v.iter().enumerate() {
@@ -331,12 +390,12 @@ fn run(ctrl: u64, data: u64, n: usize, lane: u32, tag: u64) -> Option<()> {
                         }
                     }
                 }
-                let mut acc = [0f32; 8];
+                let mut acc = [[0f32; 2]; 4];
                 for p in 0..world {
                     let mut v = [0u32; 4];
                     if p == rank {
                         // SAFETY: `data` holds `n` values (the span).
-                        v = unsafe { load_unit(data, n, u) }.map(canon);
+                        v = unsafe { load_unit(e, data, n, u) }.map(canon);
                     } else {
                         for (j, x) in v.iter_mut().enumerate() {
                             // SAFETY: as above; the word is cleared as it is read.
@@ -344,19 +403,19 @@ fn run(ctrl: u64, data: u64, n: usize, lane: u32, tag: u64) -> Option<()> {
                             *x = w.swap(SENTINEL, Ordering::AcqRel);
                         }
                     }
-                    for (j, w) in v.iter().enumerate() {
+                    for (a, w) in acc.iter_mut().zip(v) {
+                        let x = e.values(w);
                         if p == 0 {
-                            acc[2 * j] = lo(*w);
-                            acc[2 * j + 1] = hi(*w);
+                            *a = x;
                         } else {
-                            acc[2 * j] += lo(*w);
-                            acc[2 * j + 1] += hi(*w);
+                            a[0] += x[0];
+                            a[1] += x[1];
                         }
                     }
                 }
-                let out = [0, 1, 2, 3].map(|j| pack(acc[2 * j], acc[2 * j + 1]));
+                let out = acc.map(|a| e.word(a));
                 // SAFETY: `data` holds `n` values (the span).
-                unsafe { store_unit(data, n, u, out) };
+                unsafe { store_unit(e, data, n, u, out) };
                 u += 1;
             }
             Pass::Done
@@ -420,21 +479,44 @@ mod tests {
     fn units_round_trip_and_pad_with_zero() {
         let v: Vec<u16> = (1..=11).collect();
         let p = v.as_ptr() as usize as u64;
-        // SAFETY: `v` holds 11 values.
-        let (a, b) = unsafe { (load_unit(p, 11, 0), load_unit(p, 11, 1)) };
-        assert_eq!(a[0], 1 | (2 << 16));
-        assert_eq!(b, [9 | (10 << 16), 11, 0, 0]);
-        let mut out = vec![0u16; 11];
+        for e in [Elem::Bf16, Elem::F16] {
+            // SAFETY: `v` holds 11 values.
+            let (a, b) = unsafe { (load_unit(e, p, 11, 0), load_unit(e, p, 11, 1)) };
+            assert_eq!(a[0], 1 | (2 << 16));
+            assert_eq!(b, [9 | (10 << 16), 11, 0, 0]);
+            let mut out = vec![0u16; 11];
+            let q = out.as_mut_ptr() as usize as u64;
+            // SAFETY: `out` holds 11 values.
+            unsafe { store_unit(e, q, 11, 1, b) };
+            assert_eq!(&out[8..], &[9, 10, 11]);
+            assert!(out[..8].iter().all(|&x| x == 0));
+        }
+        let v: Vec<u32> = (1..=6).collect();
+        let p = v.as_ptr() as usize as u64;
+        // SAFETY: `v` holds 6 values.
+        let (a, b) = unsafe { (load_unit(Elem::F32, p, 6, 0), load_unit(Elem::F32, p, 6, 1)) };
+        assert_eq!((a, b), ([1, 2, 3, 4], [5, 6, 0, 0]));
+        let mut out = vec![0u32; 6];
         let q = out.as_mut_ptr() as usize as u64;
-        // SAFETY: `out` holds 11 values.
-        unsafe { store_unit(q, 11, 1, b) };
-        assert_eq!(&out[8..], &[9, 10, 11]);
+        // SAFETY: `out` holds 6 values.
+        unsafe { store_unit(Elem::F32, q, 6, 1, b) };
+        assert_eq!(out, [0, 0, 0, 0, 5, 6]);
     }
 
     #[test]
     fn the_sentinel_word_reads_as_zero() {
         assert_eq!(canon(SENTINEL), 0);
         assert_eq!(canon(0x8000), 0x8000);
-        assert_eq!(pack(lo(0x3f80_4000), hi(0x3f80_4000)), 0x3f80_4000);
+        for e in [Elem::Bf16, Elem::F16] {
+            assert_eq!(e.word(e.values(0x3f80_4000)), 0x3f80_4000, "{e:?}");
+        }
+        assert_eq!(Elem::F32.word(Elem::F32.values(0x3f80_4001)), 0x3f80_4001);
+        assert_eq!(Elem::F16.values(0x3c00_3800), [0.5, 1.0]);
+        // Rounded to nearest even: f16 1 + 2^-11 is a tie, to 1.0.
+        assert_eq!(Elem::F16.word([1.0 + 1.0 / 2048.0, 0.0]), 0x3c00);
+        for e in [Elem::Bf16, Elem::F16, Elem::F32] {
+            assert_eq!(Elem::by_name(e.name()), Some(e));
+        }
+        assert_eq!(Elem::by_name("bf16_add_inplace"), None);
     }
 }

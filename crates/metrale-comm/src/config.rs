@@ -138,8 +138,9 @@ impl FastPathPolicy {
 
 /// When an all-reduce takes the one-shot path over peer memory (every rank
 /// pushes its input into every peer's buffer and sums all of them itself;
-/// `nccl_backend/one_shot.rs`): bf16 only, 2 to 8 ranks of one node, and
-/// only once peer access was proven at construction.
+/// `nccl_backend/one_shot.rs`): bf16, f16 and f32 (the range is in bytes,
+/// the same for every type), 2 to 8 ranks of one node, and only once peer
+/// access was proven at construction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum OneShotPolicy {

@@ -15,13 +15,13 @@
 //! Invariants: [`BF16_ADD_PTX`] defines the entry [`BF16_ADD_NAME`] with the
 //! parameters `(bf16* dst, const bf16* src, u64 n)`, and accepts at most
 //! [`BF16_ADD_BLOCK`] threads per block; [`launch_config`] never exceeds
-//! that, and never returns an empty grid. [`BF16_ONE_SHOT_PTX`] defines
-//! [`BF16_ONE_SHOT_NAME`] with `(OsCtrl* ctrl, bf16* data, u64 n, u32
-//! lane)`, at most [`ONE_SHOT_BLOCK`] threads per block;
-//! [`one_shot_launch_config`] never returns more than [`ONE_SHOT_MAX_GRID`]
-//! blocks, nor an empty grid, and 32 to [`ONE_SHOT_BLOCK`] threads a
-//! block; [`one_shot_sum`] is its arithmetic on the
-//! host.
+//! that, and never returns an empty grid. [`ONE_SHOT_PTX`] defines one
+//! entry per type [`one_shot_name`] names (bf16, f16, f32), each with
+//! `(OsCtrl* ctrl, T* data, u64 n, u32 lane)`, at most [`ONE_SHOT_BLOCK`]
+//! threads per block; [`one_shot_launch_config`] never returns more than
+//! [`ONE_SHOT_MAX_GRID`] blocks, nor an empty grid, and 32 to
+//! [`ONE_SHOT_BLOCK`] threads a block; [`one_shot_sum`] is their
+//! arithmetic on the host.
 
 /// PTX of `bf16_add_inplace`, `dst[i] = bf16(float(dst[i]) + float(src[i]))`
 /// rounded to nearest even: the arithmetic NCCL uses for a two-rank bf16
@@ -46,20 +46,39 @@ pub const BF16_ADD_BLOCK: u32 = 256;
 /// element.
 pub const BF16_ADD_MAX_GRID: u32 = 132 * 8;
 
-/// PTX of `bf16_one_shot_all_reduce`, the one-shot all-reduce over peer
-/// memory (protocol, layout and bounds in `kernels/bf16_one_shot.cu` and
-/// `nccl_backend/one_shot.rs`). Its result is [`one_shot_sum`].
+/// PTX of the one-shot all-reduce over peer memory, one entry per type
+/// ([`BF16_ONE_SHOT_NAME`], [`F16_ONE_SHOT_NAME`], [`F32_ONE_SHOT_NAME`]:
+/// one protocol, layout and bounds, in `kernels/one_shot.cu` and
+/// `nccl_backend/one_shot.rs`). Their result is [`one_shot_sum`].
 ///
-/// Parameters, in order: `ctrl` (device address of the rank's 136-byte
-/// control block), `data` (device address of `n` bf16 values, reduced in
-/// place), `n` (`u64`, `1..=slot_bytes / 2`), `lane` (`u32`: 0 eager, 1
-/// captured into a graph).
-pub const BF16_ONE_SHOT_PTX: &str = include_str!("../kernels/bf16_one_shot.ptx");
+/// Parameters of every entry, in order: `ctrl` (device address of the
+/// rank's 136-byte control block), `data` (device address of `n` values of
+/// the entry's type, reduced in place), `n` (`u64`, `1..=slot_bytes /
+/// size`), `lane` (`u32`: 0 eager, 1 captured into a graph).
+pub const ONE_SHOT_PTX: &str = include_str!("../kernels/one_shot.ptx");
 
-/// The entry point's name in [`BF16_ONE_SHOT_PTX`].
+/// The bf16 entry point's name in [`ONE_SHOT_PTX`].
 pub const BF16_ONE_SHOT_NAME: &str = "bf16_one_shot_all_reduce";
 
-/// Threads per block for `bf16_one_shot_all_reduce`, also its most.
+/// The f16 entry point's name in [`ONE_SHOT_PTX`].
+pub const F16_ONE_SHOT_NAME: &str = "f16_one_shot_all_reduce";
+
+/// The f32 entry point's name in [`ONE_SHOT_PTX`].
+pub const F32_ONE_SHOT_NAME: &str = "f32_one_shot_all_reduce";
+
+/// The entry point in [`ONE_SHOT_PTX`] that all-reduces `dtype`, `None`
+/// for a type the one-shot path does not serve (it takes NCCL's).
+pub fn one_shot_name(dtype: nccl_safe::DataType) -> Option<&'static str> {
+    use nccl_safe::DataType;
+    match dtype {
+        DataType::Bfloat16 => Some(BF16_ONE_SHOT_NAME),
+        DataType::Float16 => Some(F16_ONE_SHOT_NAME),
+        DataType::Float32 => Some(F32_ONE_SHOT_NAME),
+        _ => None,
+    }
+}
+
+/// Threads per block for the one-shot kernels, also their most.
 pub const ONE_SHOT_BLOCK: u32 = 512;
 
 /// The most blocks a one-shot launch uses: a call spins while it waits for
@@ -69,7 +88,7 @@ pub const ONE_SHOT_BLOCK: u32 = 512;
 pub const ONE_SHOT_MAX_GRID: u32 = 32;
 
 /// The word every 32-bit word of a one-shot receive buffer holds outside a
-/// call (the bf16 pair (+0.0, -0.0)): "not arrived".
+/// call (the bf16 or f16 pair (+0.0, -0.0), the f32 -0.0): "not arrived".
 pub const ONE_SHOT_SENTINEL: u32 = 0x8000_0000;
 
 /// The 64-bit words of a one-shot control block (136 bytes).
@@ -82,7 +101,7 @@ pub fn one_shot_recv_words(world: usize, slot_bytes: usize) -> usize {
 }
 
 /// The control block of rank `rank` of `peers.len()` (2 to 8), as the host
-/// writes it before the first call (the layout `bf16_one_shot.cu`'s
+/// writes it before the first call (the layout `one_shot.cu`'s
 /// `OsCtrl` declares; its two lanes start free at epoch 0): `peers[p]` is
 /// rank `p`'s receive buffer as mapped on this rank, `flags` the device
 /// address of two host-pinned `u32` words (abort, status), `timeout_ns` how
@@ -107,14 +126,14 @@ pub fn one_shot_ctrl(
     Some(ctrl)
 }
 
-/// Grid and block for a one-shot call of `n` values: one thread per 8
-/// values; a call of at most [`ONE_SHOT_BLOCK`] threads' worth is one block
-/// of that many threads rounded up to a warp (a few tens of nanoseconds
-/// faster than 512 on one H200: decision 0010),
-/// larger ones [`ONE_SHOT_BLOCK`] threads per block, up to
-/// [`ONE_SHOT_MAX_GRID`] blocks.
-pub fn one_shot_launch_config(n: u64) -> ((u32, u32, u32), (u32, u32, u32)) {
-    let units = n.div_ceil(VALUES_PER_LOAD).max(1);
+/// Grid and block for a one-shot call of `bytes` (of any type): one thread
+/// per 16 bytes; a call of at most [`ONE_SHOT_BLOCK`] threads' worth is one
+/// block of that many threads rounded up to a warp (a few tens of
+/// nanoseconds faster than 512 on one H200: decision 0010), larger ones
+/// [`ONE_SHOT_BLOCK`] threads per block, up to [`ONE_SHOT_MAX_GRID`]
+/// blocks.
+pub fn one_shot_launch_config(bytes: u64) -> ((u32, u32, u32), (u32, u32, u32)) {
+    let units = bytes.div_ceil(16).max(1);
     if units <= u64::from(ONE_SHOT_BLOCK) {
         // At most ONE_SHOT_BLOCK (512), a multiple of 32: within u32.
         let threads = units.next_multiple_of(32) as u32;
@@ -127,25 +146,83 @@ pub fn one_shot_launch_config(n: u64) -> ((u32, u32, u32), (u32, u32, u32)) {
     ((blocks, 1, 1), (ONE_SHOT_BLOCK, 1, 1))
 }
 
+/// An element type the one-shot kernels reduce: bf16, f16 and f32 (the
+/// trait is sealed).
+pub trait OneShotElement: nccl_safe::Element + sealed::Sealed {
+    /// The value as f32 (exact).
+    fn to_f32(self) -> f32;
+    /// `x` rounded to the type, to nearest even.
+    fn from_f32(x: f32) -> Self;
+    /// The value's bits, in the low bits of a `u32`.
+    fn to_bits32(self) -> u32;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for f32 {}
+}
+
+impl OneShotElement for half::bf16 {
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        half::bf16::from_f32(x)
+    }
+    fn to_bits32(self) -> u32 {
+        u32::from(self.to_bits())
+    }
+}
+
+impl OneShotElement for half::f16 {
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        half::f16::from_f32(x)
+    }
+    fn to_bits32(self) -> u32 {
+        u32::from(self.to_bits())
+    }
+}
+
+impl OneShotElement for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    fn to_bits32(self) -> u32 {
+        self.to_bits()
+    }
+}
+
 /// The one-shot all-reduce's result for `inputs` (rank order), as the
-/// kernel computes it on every rank: per element, the f32 sum
-/// `((v0 + v1) + v2) + ...` rounded once to bf16 (nearest even), where each
-/// input pair of elements `(2j, 2j + 1)` (indices from the start of the
-/// call, or of its chunk; chunks start at even indices) whose bits are
-/// `(+0.0, -0.0)` counts as `(+0.0, +0.0)`: that word is the kernel's
-/// "not arrived" mark. Inputs of unequal length are an error.
-pub fn one_shot_sum(inputs: &[Vec<half::bf16>]) -> Result<Vec<half::bf16>, String> {
+/// kernels compute it on every rank: per element, the f32 sum
+/// `((v0 + v1) + v2) + ...` rounded once to the type (nearest even; f32
+/// needs no rounding), where every 32-bit word of an input whose bits are
+/// [`ONE_SHOT_SENTINEL`] counts as 0: that word is the kernels' "not
+/// arrived" mark. For bf16 and f16 that word is a pair of elements `(2j,
+/// 2j + 1)` (indices from the start of the call, or of its chunk; chunks
+/// start at even indices) holding `(+0.0, -0.0)`, which counts as `(+0.0,
+/// +0.0)`; for f32 it is -0.0, which counts as +0.0. Inputs of unequal
+/// length are an error.
+pub fn one_shot_sum<T: OneShotElement>(inputs: &[Vec<T>]) -> Result<Vec<T>, String> {
     let n = inputs.first().map_or(0, Vec::len);
     if inputs.iter().any(|v| v.len() != n) {
         return Err("inputs of unequal length".into());
     }
-    let canon = |v: &[half::bf16], i: usize| -> f32 {
-        let pair = i & !1;
-        let (lo, hi) = (
-            v[pair].to_bits(),
-            v.get(pair + 1).map_or(0, |x| x.to_bits()),
-        );
-        if lo == 0 && hi == 0x8000 {
+    let per_word = 4 / T::DATA_TYPE.size();
+    let canon = |v: &[T], i: usize| -> f32 {
+        let first = i - i % per_word;
+        let word = (0..per_word).fold(0u32, |w, k| {
+            let bits = v.get(first + k).map_or(0, |x| x.to_bits32());
+            w | bits << (32 / per_word * k)
+        });
+        if word == ONE_SHOT_SENTINEL {
             0.0
         } else {
             v[i].to_f32()
@@ -157,7 +234,7 @@ pub fn one_shot_sum(inputs: &[Vec<half::bf16>]) -> Result<Vec<half::bf16>, Strin
             for v in &inputs[1..] {
                 acc += canon(v, i);
             }
-            half::bf16::from_f32(acc)
+            T::from_f32(acc)
         })
         .collect())
 }
@@ -189,13 +266,14 @@ pub unsafe fn launch_add(
     unsafe { nccl_safe::launch_raw(ctx, kernel, grid, block, 0, stream, &mut params) }
 }
 
-/// Launches the one-shot kernel (`kernel`, [`BF16_ONE_SHOT_NAME`] of
-/// [`BF16_ONE_SHOT_PTX`]) on `n` values at `data`, on lane `lane`, on
-/// [`one_shot_launch_config`]'s grid.
+/// Launches a one-shot kernel (`kernel`, the entry [`one_shot_name`] names
+/// for `dtype` in [`ONE_SHOT_PTX`]) on `n` values of `dtype` at `data`, on
+/// lane `lane`, on [`one_shot_launch_config`]'s grid.
 ///
 /// # Safety
-/// `data` is device memory of the kernel's context valid for `n` bf16
-/// values until the work completes, `ctrl` a control block written as
+/// `kernel` is the entry for `dtype`; `data` is device memory of the
+/// kernel's context valid for `n` values of `dtype` until the work
+/// completes, `ctrl` a control block written as
 /// [`one_shot_ctrl`] lays it out, whose receive buffers stay allocated and
 /// mapped until the work completes, `stream` a live stream of that
 /// context.
@@ -203,11 +281,11 @@ pub unsafe fn launch_one_shot(
     kernel: &nccl_safe::Function,
     ctrl: u64,
     data: u64,
-    n: usize,
+    (n, dtype): (usize, nccl_safe::DataType),
     lane: u32,
     stream: cuda_sys::CUstream,
 ) -> nccl_safe::Result<()> {
-    let (grid, block) = one_shot_launch_config(n as u64);
+    let (grid, block) = one_shot_launch_config((n * dtype.size()) as u64);
     let (mut ctrl, mut data, mut n, mut lane) = (ctrl, data, n as u64, lane);
     let mut params = [
         (&mut ctrl as *mut u64).cast::<std::ffi::c_void>(),
@@ -303,34 +381,41 @@ mod tests {
     }
 
     #[test]
-    fn one_shot_ptx_defines_the_entry() {
-        let lines: Vec<&str> = BF16_ONE_SHOT_PTX.lines().map(str::trim).collect();
+    fn one_shot_ptx_defines_the_entries() {
+        use nccl_safe::DataType;
+        let lines: Vec<&str> = ONE_SHOT_PTX.lines().map(str::trim).collect();
         assert!(lines.contains(&".version 7.0") && lines.contains(&".target sm_80"));
-        let entry = format!(".visible .entry {BF16_ONE_SHOT_NAME}(");
-        assert!(lines.contains(&entry.as_str()));
-        let param = |ty: &str, i: usize| format!(".param .{ty} {BF16_ONE_SHOT_NAME}_param_{i}");
-        for (i, ty) in ["u64", "u64", "u64", "u32"].iter().enumerate() {
-            assert!(
-                lines.iter().any(|l| l.starts_with(&param(ty, i))),
-                "parameter {i} is not .{ty}"
-            );
+        for dtype in [DataType::Bfloat16, DataType::Float16, DataType::Float32] {
+            let name = one_shot_name(dtype).unwrap();
+            let entry = format!(".visible .entry {name}(");
+            assert!(lines.contains(&entry.as_str()), "no entry {name}");
+            let param = |ty: &str, i: usize| format!(".param .{ty} {name}_param_{i}");
+            for (i, ty) in ["u64", "u64", "u64", "u32"].iter().enumerate() {
+                assert!(
+                    lines.iter().any(|l| l.starts_with(&param(ty, i))),
+                    "{name}: parameter {i} is not .{ty}"
+                );
+            }
         }
-        assert!(lines.contains(&format!(".maxntid {ONE_SHOT_BLOCK}, 1, 1").as_str()));
-        assert!(BF16_ONE_SHOT_PTX.contains("cvt.rn.bf16.f32"));
+        assert_eq!(one_shot_name(DataType::Float64), None);
+        let bound = format!(".maxntid {ONE_SHOT_BLOCK}, 1, 1");
+        assert_eq!(lines.iter().filter(|l| **l == bound).count(), 3);
+        assert!(ONE_SHOT_PTX.contains("cvt.rn.bf16.f32"));
+        assert!(ONE_SHOT_PTX.contains("cvt.rn.f16.f32"));
         // Plain peer loads and stores only: no multicast objects, no multimem.
-        assert!(!BF16_ONE_SHOT_PTX.contains("multimem"));
-        assert!(BF16_ONE_SHOT_PTX.contains("%globaltimer"));
+        assert!(!ONE_SHOT_PTX.contains("multimem"));
+        assert!(ONE_SHOT_PTX.contains("%globaltimer"));
     }
 
     #[test]
     fn one_shot_launch_config_is_bounded() {
         assert_eq!(one_shot_launch_config(0), ((1, 1, 1), (32, 1, 1)));
         assert_eq!(one_shot_launch_config(1), ((1, 1, 1), (32, 1, 1)));
-        assert_eq!(one_shot_launch_config(256), ((1, 1, 1), (32, 1, 1)));
-        assert_eq!(one_shot_launch_config(257), ((1, 1, 1), (64, 1, 1)));
-        assert_eq!(one_shot_launch_config(4095), ((1, 1, 1), (512, 1, 1)));
-        assert_eq!(one_shot_launch_config(4096), ((1, 1, 1), (512, 1, 1)));
-        assert_eq!(one_shot_launch_config(4097), ((2, 1, 1), (512, 1, 1)));
+        assert_eq!(one_shot_launch_config(512), ((1, 1, 1), (32, 1, 1)));
+        assert_eq!(one_shot_launch_config(513), ((1, 1, 1), (64, 1, 1)));
+        assert_eq!(one_shot_launch_config(8191), ((1, 1, 1), (512, 1, 1)));
+        assert_eq!(one_shot_launch_config(8192), ((1, 1, 1), (512, 1, 1)));
+        assert_eq!(one_shot_launch_config(8193), ((2, 1, 1), (512, 1, 1)));
         assert_eq!(one_shot_launch_config(u64::MAX), ((32, 1, 1), (512, 1, 1)));
     }
 
@@ -351,6 +436,28 @@ mod tests {
             [0, 0, 0x8000]
         );
         assert!(one_shot_sum(&[vec![one], vec![]]).is_err());
+    }
+
+    #[test]
+    fn one_shot_sum_of_f16_and_f32() {
+        use half::f16;
+        // f16 rounds once too: 1 + 2^-11 + 2^-11 is 1 + 2^-10 in f32, while
+        // rounding after every add keeps 1.0.
+        let (one, tiny) = (f16::from_f32(1.0), f16::from_f32(1.0 / 2048.0));
+        let s = one_shot_sum(&[vec![one], vec![tiny], vec![tiny]]).unwrap();
+        assert_eq!(s[0], f16::from_f32(1.0 + 1.0 / 1024.0));
+        let (pz, nz) = (f16::from_bits(0), f16::from_bits(0x8000));
+        let s = one_shot_sum(&[vec![pz, nz, nz], vec![pz, nz, nz]]).unwrap();
+        assert_eq!(
+            s.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            [0, 0, 0x8000]
+        );
+        // f32 -0.0 is the sentinel word itself: it counts as +0.0.
+        let s = one_shot_sum(&[vec![-0.0f32, 1.5], vec![-0.0, 2.25]]).unwrap();
+        assert_eq!(s[0].to_bits(), 0);
+        assert_eq!(s[1], 3.75);
+        let s = one_shot_sum(&[vec![1.0f32, -0.0], vec![1e-8, 0.5]]).unwrap();
+        assert_eq!(s, [1.0f32 + 1e-8, 0.5]);
     }
 
     #[test]

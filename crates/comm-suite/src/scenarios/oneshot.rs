@@ -1,17 +1,19 @@
 //! Scenarios of the one-shot all-reduce over peer memory (2 to 8 ranks):
 //! every size from 1 element to 64 MiB (chunked past the slot), odd counts,
-//! eager, on compute streams and captured into graphs; eager work and graph
+//! eager, on compute streams and captured into graphs, in bf16 (and in
+//! f16 and f32 to past the slot); eager work and graph
 //! replays overlapping on several streams; a healthy reconnect in between;
 //! a rank that never arrives (eagerly: the watchdog's abort ends the
 //! kernels; captured: the kernels' own bound does), with reconnects after;
 //! graphs replayed at once on two streams, against the replay rule (every
-//! rank ends poisoned, never healthy); and the path's choice and its
-//! reasons when off.
+//! rank ends poisoned, never healthy); and the path's choice (by type and
+//! size, with the default policy and with a range smaller than the
+//! smallest slot) and its reasons when off.
 //!
 //! Invariants: every output element is checked against the path's host
 //! reference (`data::one_shot_reference`, the arithmetic of
 //! `metrale_comm::kernels::one_shot_sum`: f32 sum in rank order, rounded
-//! once), on rank 0 and, up to 64 Ki elements, on every rank; and every
+//! once to the type), on rank 0 and, up to 64 Ki elements, on every rank; and every
 //! rank's output is bit-identical to rank 0's (hash through the store). On
 //! GPUs where the path is off (no peer access) the scenarios skip with the
 //! backend's reason; on the emulator (ranks as threads or as processes,
@@ -22,15 +24,16 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
-use half::bf16;
+use half::{bf16, f16};
+use metrale_comm::kernels::OneShotElement;
 use metrale_comm::{
     AllReducePath, BackendConfig, CommBackend, CommError, FastPathPolicy, NcclBackend,
     OneShotPolicy,
 };
-use nccl_safe::{DeviceBuffer, Stream};
+use nccl_safe::{DataType, DeviceBuffer, Stream};
 
 use crate::RankCtx;
-use crate::data::{check, hash, one_shot_reference, random_vec, size_name};
+use crate::data::{SuiteElem, check, hash, one_shot_reference, random_vec, size_name};
 
 const WAIT: Duration = Duration::from_secs(60);
 const TIMEOUT: Duration = Duration::from_secs(2);
@@ -53,6 +56,10 @@ const SIZES: &[usize] = &[
     (2 << 20) + 5,
     (32 << 20) - 1,
 ];
+
+/// Element counts of the f16 and f32 sweeps: odd counts, both sides of the
+/// slot for both types (262 144 f32 or 524 288 f16 values fill it).
+const TYPED_SIZES: &[usize] = &[1, 2, 3, 9, 255, 4097, 65_535, (1 << 18) + 3, (1 << 19) + 3];
 
 fn one_shot_config(ctx: &RankCtx, policy: OneShotPolicy) -> BackendConfig {
     ctx.config()
@@ -82,11 +89,11 @@ fn one_shot_backend(ctx: &RankCtx, name: &str, cfg: BackendConfig) -> anyhow::Re
 /// Checks `got` on this rank: every element against the reference of the
 /// `w` ranks' inputs (on rank 0, or on every rank for small counts), and
 /// bit-identity with every other rank.
-fn check_sum(
+fn check_sum<T: OneShotElement + SuiteElem>(
     ctx: &RankCtx,
     what: &str,
-    got: &[bf16],
-    inputs: impl Fn(usize) -> Vec<bf16>,
+    got: &[T],
+    inputs: impl Fn(usize) -> Vec<T>,
 ) -> anyhow::Result<()> {
     if ctx.rank == 0 || got.len() <= 1 << 16 {
         let want = one_shot_reference(ctx.world_size, inputs);
@@ -97,7 +104,9 @@ fn check_sum(
 
 /// Every size, eager on the backend's stream, asynchronous on a compute
 /// stream, and captured into a graph replayed twice (fresh inputs each
-/// time); the reduction goes in chunks past the slot.
+/// time), bf16 from 1 element to 64 MiB and f16 and f32 to past the slot;
+/// the reduction goes in chunks past the slot. Then signed zeros in every
+/// type.
 pub fn sizes(ctx: &RankCtx) -> anyhow::Result<()> {
     let seed = ctx.shared_seed("oneshot-sizes")?;
     let b = one_shot_backend(
@@ -106,20 +115,39 @@ pub fn sizes(ctx: &RankCtx) -> anyhow::Result<()> {
         one_shot_config(ctx, OneShotPolicy::Always),
     )?;
     let compute = Stream::new(b.context())?;
-    for (si, &n) in SIZES.iter().enumerate() {
-        let big = n > 1 << 20;
+    sweep::<bf16>(ctx, &b, &compute, seed, SIZES)?;
+    sweep::<f16>(ctx, &b, &compute, seed, TYPED_SIZES)?;
+    sweep::<f32>(ctx, &b, &compute, seed, TYPED_SIZES)?;
+    signed_zeros::<bf16>(ctx, &b)?;
+    signed_zeros::<f16>(ctx, &b)?;
+    signed_zeros::<f32>(ctx, &b)?;
+    b.shutdown()?;
+    no_mapping_left(ctx, "oneshot-sizes")
+}
+
+/// The sweep of `sizes` in `T` (see [`sizes`]).
+fn sweep<T: OneShotElement + SuiteElem>(
+    ctx: &RankCtx,
+    b: &NcclBackend,
+    compute: &Stream,
+    seed: u64,
+    sizes: &[usize],
+) -> anyhow::Result<()> {
+    let dtype = T::DATA_TYPE;
+    for (si, &n) in sizes.iter().enumerate() {
+        let big = n * dtype.size() > 2 << 20;
         for mode in ["eager", "async", "captured"] {
             if big && mode == "async" && ctx.world_size > 2 {
                 continue;
             }
-            let salt = (si as u64) << 8 | mode.len() as u64;
+            let salt = (si as u64) << 8 | mode.len() as u64 | (dtype.size() as u64) << 48;
             let what = format!(
-                "{mode} one-shot of {} bf16 ({n} elements)",
-                size_name(2 * n)
+                "{mode} one-shot of {} {dtype} ({n} elements)",
+                size_name(dtype.size() * n)
             );
             ctx.step(what.clone());
-            let mut buf =
-                DeviceBuffer::from_host(b.context(), &random_vec(seed, ctx.rank, salt, n))?;
+            let input = |k: usize, salt: u64| random_vec::<T>(seed, k, salt, n);
+            let mut buf = DeviceBuffer::from_host(b.context(), &input(ctx.rank, salt))?;
             match mode {
                 "eager" => {
                     b.all_reduce(buf.view_mut()).with_context(|| what.clone())?;
@@ -141,43 +169,51 @@ pub fn sizes(ctx: &RankCtx) -> anyhow::Result<()> {
                     let replays = if big { 1 } else { 2 };
                     for replay in 0..replays {
                         let salt = salt ^ (replay + 1) << 32;
-                        buf.copy_from_host(&random_vec(seed, ctx.rank, salt, n))?;
-                        exec.launch(&compute)?;
+                        buf.copy_from_host(&input(ctx.rank, salt))?;
+                        exec.launch(compute)?;
                         compute
                             .wait_until_idle(WAIT)
                             .with_context(|| what.clone())?;
                         ensure!(b.is_healthy(), "{what}: unhealthy after replay {replay}");
                         let got = buf.to_host_vec()?;
                         check_sum(ctx, &format!("{what}, replay {replay}"), &got, |k| {
-                            random_vec(seed, k, salt, n)
+                            input(k, salt)
                         })?;
                     }
                     continue;
                 }
             }
             let got = buf.to_host_vec()?;
-            check_sum(ctx, &what, &got, |k| random_vec(seed, k, salt, n))?;
+            check_sum(ctx, &what, &got, |k| input(k, salt))?;
         }
     }
-    // Zeros: the (+0.0, -0.0) pairs the kernel reads as (+0.0, +0.0), and
-    // lone signed zeros, which it keeps.
+    Ok(())
+}
+
+/// Zeros in `T`: the "not arrived" word the kernel reads as zeros (the
+/// (+0.0, -0.0) pair of bf16 and f16, read as (+0.0, +0.0); the f32 -0.0,
+/// read as +0.0), and lone signed zeros of the 16-bit types, which it
+/// keeps.
+fn signed_zeros<T: OneShotElement + SuiteElem>(
+    ctx: &RankCtx,
+    b: &NcclBackend,
+) -> anyhow::Result<()> {
     let n = 1001;
-    let zeros = |k: usize| -> Vec<bf16> {
+    let zeros = |k: usize| -> Vec<T> {
         (0..n)
             .map(|i| match i % 4 {
-                0 => bf16::from_bits(0),
-                1 => bf16::from_bits(0x8000),
-                2 => bf16::from_bits(if k.is_multiple_of(2) { 0x8000 } else { 0 }),
-                _ => bf16::from_f32(k as f32 + 0.5),
+                0 => T::from_f32(0.0),
+                1 => T::from_f32(-0.0),
+                2 => T::from_f32(if k.is_multiple_of(2) { -0.0 } else { 0.0 }),
+                _ => T::from_f32(k as f32 + 0.5),
             })
             .collect()
     };
     let mut buf = DeviceBuffer::from_host(b.context(), &zeros(ctx.rank))?;
     b.all_reduce(buf.view_mut())?;
     b.synchronize()?;
-    check_sum(ctx, "signed zeros", &buf.to_host_vec()?, zeros)?;
-    b.shutdown()?;
-    no_mapping_left(ctx, "oneshot-sizes")
+    let what = format!("signed zeros in {}", T::DATA_TYPE);
+    check_sum(ctx, &what, &buf.to_host_vec()?, zeros)
 }
 
 /// On the emulator: once every rank shut down, no CUDA IPC mapping is open
@@ -202,7 +238,8 @@ pub(super) fn no_mapping_left(ctx: &RankCtx, name: &str) -> anyhow::Result<()> {
 /// One all-reduce of `n` values on `b` and `stream` with a fresh random
 /// input, checked.
 fn one_ok(ctx: &RankCtx, b: &NcclBackend, seed: u64, salt: u64, n: usize) -> anyhow::Result<()> {
-    let mut buf = DeviceBuffer::from_host(b.context(), &random_vec(seed, ctx.rank, salt, n))?;
+    let mut buf =
+        DeviceBuffer::from_host(b.context(), &random_vec::<bf16>(seed, ctx.rank, salt, n))?;
     b.all_reduce(buf.view_mut())?;
     b.synchronize()?;
     check_sum(ctx, &format!("one-shot {salt}"), &buf.to_host_vec()?, |k| {
@@ -292,19 +329,70 @@ pub fn streams(ctx: &RankCtx) -> anyhow::Result<()> {
         "all_reduce_path(1 MiB + 2) = {above:?}"
     );
     ensure!(b.all_reduce_path(8 << 20) == AllReducePath::Nccl);
+    for dtype in [DataType::Float16, DataType::Float32] {
+        let path = b.all_reduce_path_of(dtype, 1 << 20);
+        ensure!(path == AllReducePath::OneShot, "{dtype}, 1 MiB: {path:?}");
+    }
+    for dtype in [DataType::Float64, DataType::Int32] {
+        let path = b.all_reduce_path_of(dtype, 4096);
+        ensure!(path == AllReducePath::Nccl, "{dtype}, 4 KiB: {path:?}");
+    }
+    let f: Vec<f64> = random_vec::<f32>(seed, ctx.rank, 98, 999)
+        .into_iter()
+        .map(f64::from)
+        .collect();
+    let mut fb = DeviceBuffer::from_host(b.context(), &f)?;
+    b.all_reduce(fb.view_mut())?;
+    b.synchronize()?;
+    let sum: Vec<f64> = (0..999)
+        .map(|i| {
+            (0..w)
+                .map(|k| f64::from(random_vec::<f32>(seed, k, 98, 999)[i]))
+                .sum::<f64>()
+        })
+        .collect();
+    let got = fb.to_host_vec()?;
+    if let Some(i) = (0..999).find(|&i| (got[i] - sum[i]).abs() > 1e-12 * sum[i].abs().max(1.0)) {
+        bail!(
+            "f64 beside the one-shot path: element {i} is {}, want {}",
+            got[i],
+            sum[i]
+        );
+    }
     let f: Vec<f32> = random_vec(seed, ctx.rank, 99, 1000);
     let mut fb = DeviceBuffer::from_host(b.context(), &f)?;
     b.all_reduce(fb.view_mut())?;
     b.synchronize()?;
     let fs: Vec<Vec<f32>> = (0..w).map(|k| random_vec(seed, k, 99, 1000)).collect();
     check(
-        "f32 beside the one-shot path",
+        "f32 down the one-shot path",
         &fb.to_host_vec()?,
-        &crate::data::sum_in_rank_order(&fs),
-        w <= 2 || !ctx.on_gpu(),
+        &one_shot_reference(w, |k| fs[k].clone()),
+        true,
         w,
     )?;
     b.shutdown()?;
+    // A range below the smallest slot: the set-up's probe still fits, and
+    // the path takes exactly the range.
+    let small = OneShotPolicy::Range {
+        min_bytes: 0,
+        max_bytes: 1000,
+    };
+    let sb = one_shot_backend(ctx, "oneshot-small", ctx.config().with_one_shot(small))?;
+    for (dtype, bytes, want) in [
+        (DataType::Bfloat16, 1000, AllReducePath::OneShot),
+        (DataType::Float32, 1000, AllReducePath::OneShot),
+        (DataType::Float16, 1002, AllReducePath::Nccl),
+        (DataType::Bfloat16, 1 << 20, AllReducePath::Nccl),
+    ] {
+        let path = sb.all_reduce_path_of(dtype, bytes);
+        ensure!(
+            path == want || (w == 2 && path == AllReducePath::FastPath && bytes > 1000),
+            "range 0-1000: {dtype}, {bytes} bytes: {path:?}, want {want:?}"
+        );
+    }
+    one_ok(ctx, &sb, seed, 97, 500)?;
+    sb.shutdown()?;
     let off = ctx.backend(
         "oneshot-off",
         ctx.config().with_one_shot(OneShotPolicy::Never),

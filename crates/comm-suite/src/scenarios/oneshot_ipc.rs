@@ -1,4 +1,4 @@
-//! The one-shot kernel between rank processes that share one device, each
+//! The bf16 one-shot kernel between rank processes that share one device, each
 //! rank's receive buffer mapped into the others with CUDA IPC (nccl-safe's
 //! `ipc_handle` and `IpcMapping`), without NCCL: what the backend's set-up
 //! does in processes and torchrun modes (export, exchange, map, push
@@ -70,7 +70,7 @@ impl Rank {
             (1..=SLOT_BYTES / 2).contains(&n) && lane < 2,
             "{n} values, lane {lane}"
         );
-        // SAFETY: `f` is the one-shot entry point of this context; `ctrl`
+        // SAFETY: `f` is the bf16 one-shot entry point of this context; `ctrl`
         // is this rank's control block, laid out by `one_shot_ctrl`, naming
         // this rank's receive buffer and the peers' buffers mapped here;
         // `data` holds a slot of values; all stay allocated (and mapped)
@@ -80,7 +80,7 @@ impl Rank {
                 &self.f,
                 self.ctrl.device_ptr(),
                 self.data.device_ptr(),
-                n,
+                (n, nccl_safe::DataType::Bfloat16),
                 lane,
                 self.stream.raw(),
             )
@@ -131,7 +131,7 @@ pub fn ipc_one_device(ctx: &RankCtx) -> anyhow::Result<()> {
     let w = ctx.world_size;
     let c = Context::new(0).context("context of device 0")?;
     let seed = ctx.shared_seed("oneshot-ipc")?;
-    let module = Module::load_ptx(&c, kernels::BF16_ONE_SHOT_PTX)?;
+    let module = Module::load_ptx(&c, kernels::ONE_SHOT_PTX)?;
     let f = module.function(kernels::BF16_ONE_SHOT_NAME)?;
 
     ctx.step("export, exchange and map the receive buffers");

@@ -1,4 +1,4 @@
-//! The one-shot kernel itself, without NCCL or the backend (through
+//! The one-shot kernels themselves, without NCCL or the backend (through
 //! [`crate::one_shot_local::LocalOneShot`]): `k` ranks (2, 4
 //! and 8) simulated on this rank's one device, each with its own receive
 //! buffer, control block, pinned flags, data and stream, every control
@@ -11,26 +11,32 @@
 //! gives up on its own clock with the timeout status), the abort word
 //! (every kernel exits with the aborted status), and a second call on a
 //! lane while one runs there (it records the concurrent-use status and
-//! writes nothing, and the running call gives up with it).
+//! writes nothing, and the running call gives up with it). All of it with
+//! the bf16 kernel; the f16 and f32 kernels (the same protocol, another
+//! arithmetic) run the sizes, calls and replays.
 //!
 //! Invariants: every element of every rank's output equals the host
 //! reference (`kernels::one_shot_sum`) bit for bit; the inputs are random
-//! and include the "not arrived" pair (+0.0, -0.0) that the kernel must
-//! read as zeros; every wait is bounded.
+//! and include the "not arrived" word (the pair (+0.0, -0.0), the f32
+//! -0.0) that the kernel must read as zeros; every wait is bounded.
 
 use std::time::Duration;
 
-use metrale_comm::kernels;
+use anyhow::Context as _;
+
+use half::{bf16, f16};
+use metrale_comm::kernels::{self, OneShotElement};
 use nccl_safe::Module;
 
 use crate::RankCtx;
+use crate::data::SuiteElem;
 use crate::one_shot_local::{LANE_EAGER, LANE_GRAPH, LocalOneShot};
 
 /// Bytes of one slot: small, so that 8 ranks' buffers stay small.
 const SLOT_BYTES: usize = 64 << 10;
-/// Element counts, up to a whole slot.
-const SIZES: &[usize] = &[1, 2, 3, 7, 8, 9, 255, 4097, 16_383, SLOT_BYTES / 2];
-/// The kernel's statuses (`OS_STATUS_*` in `bf16_one_shot.cu`).
+/// Element counts, and a whole slot of any type.
+const SIZES: &[usize] = &[1, 2, 3, 7, 8, 9, 255, 4097, 16_383];
+/// The kernel's statuses (`OS_STATUS_*` in `one_shot.cu`).
 const STATUS_TIMEOUT: u32 = 1;
 const STATUS_ABORTED: u32 = 2;
 const STATUS_CONCURRENT: u32 = 3;
@@ -38,13 +44,30 @@ const STATUS_CONCURRENT: u32 = 3;
 /// See the module docs.
 pub fn kernel_one_device(ctx: &RankCtx) -> anyhow::Result<()> {
     let c = ctx.context()?;
-    let module = Module::load_ptx(&c, kernels::BF16_ONE_SHOT_PTX)?;
-    let f = module.function(kernels::BF16_ONE_SHOT_NAME)?;
+    let module = Module::load_ptx(&c, kernels::ONE_SHOT_PTX)?;
+    kernel_of::<bf16>(ctx, &c, &module, true)?;
+    kernel_of::<f16>(ctx, &c, &module, false)?;
+    kernel_of::<f32>(ctx, &c, &module, false)
+}
+
+/// The scenario with `T`'s kernel: sizes, calls and replays, and when
+/// `bounds`, the stuck rank, the abort and the second call on a held lane.
+fn kernel_of<T: OneShotElement + SuiteElem>(
+    ctx: &RankCtx,
+    c: &std::sync::Arc<nccl_safe::Context>,
+    module: &Module,
+    bounds: bool,
+) -> anyhow::Result<()> {
+    let dtype = T::DATA_TYPE;
+    let name = kernels::one_shot_name(dtype).context("a one-shot type")?;
+    let f = module.function(name)?;
     let seed = 0x05e1_f00d ^ ctx.rank as u64;
+    let whole = SLOT_BYTES / dtype.size();
+    let sizes = SIZES.iter().copied().filter(|&n| n < whole).chain([whole]);
     for k in [2, 4, 8] {
-        let mut ranks = LocalOneShot::new(&c, k, SLOT_BYTES, Duration::from_secs(20))?;
-        ctx.step(format!("{k} ranks, eager"));
-        for &n in SIZES {
+        let mut ranks = LocalOneShot::<T>::new(c, k, SLOT_BYTES, Duration::from_secs(20))?;
+        ctx.step(format!("{k} ranks, {dtype}, eager"));
+        for n in sizes.clone() {
             for call in 0..3u64 {
                 let inputs = ranks.fill(seed ^ (call << 40) ^ ((k as u64) << 48), n)?;
                 ranks.launch_all(&f, n, LANE_EAGER)?;
@@ -52,8 +75,8 @@ pub fn kernel_one_device(ctx: &RankCtx) -> anyhow::Result<()> {
                 ranks.check(&format!("eager call {call} of {n} values"), &inputs)?;
             }
         }
-        ctx.step(format!("{k} ranks, captured and replayed"));
-        for n in [1, 4097, SLOT_BYTES / 2] {
+        ctx.step(format!("{k} ranks, {dtype}, captured and replayed"));
+        for n in [1, 4097, whole] {
             let execs = (0..k)
                 .map(|r| ranks.capture(&f, r, n, 1))
                 .collect::<anyhow::Result<Vec<_>>>()?;
@@ -72,9 +95,12 @@ pub fn kernel_one_device(ctx: &RankCtx) -> anyhow::Result<()> {
             ranks.check(&format!("eager after replays, {n} values"), &inputs)?;
         }
         drop(ranks);
+        if !bounds {
+            continue;
+        }
 
         ctx.step(format!("{k} ranks, the last never arrives"));
-        let ranks = LocalOneShot::new(&c, k, SLOT_BYTES, Duration::from_millis(300))?;
+        let ranks = LocalOneShot::<T>::new(c, k, SLOT_BYTES, Duration::from_millis(300))?;
         for r in 0..k - 1 {
             ranks.launch(&f, r, 4097, LANE_EAGER)?;
         }
@@ -82,7 +108,7 @@ pub fn kernel_one_device(ctx: &RankCtx) -> anyhow::Result<()> {
         drop(ranks);
 
         ctx.step(format!("{k} ranks, aborted while waiting"));
-        let ranks = LocalOneShot::new(&c, k, SLOT_BYTES, Duration::from_secs(30))?;
+        let ranks = LocalOneShot::<T>::new(c, k, SLOT_BYTES, Duration::from_secs(30))?;
         for r in 0..k - 1 {
             ranks.launch(&f, r, 255, LANE_EAGER)?;
         }
@@ -100,7 +126,7 @@ pub fn kernel_one_device(ctx: &RankCtx) -> anyhow::Result<()> {
                 ctx.step(format!(
                     "{k} ranks, a second call on held lane {lane}, {n} values"
                 ));
-                second_call_on_a_held_lane(&c, &f, k, lane, n, seed)?;
+                second_call_on_a_held_lane(c, &f, k, lane, n, seed)?;
             }
         }
     }
@@ -120,7 +146,7 @@ fn second_call_on_a_held_lane(
     n: usize,
     seed: u64,
 ) -> anyhow::Result<()> {
-    let mut ranks = LocalOneShot::new(c, k, SLOT_BYTES, Duration::from_secs(30))?;
+    let mut ranks = LocalOneShot::<bf16>::new(c, k, SLOT_BYTES, Duration::from_secs(30))?;
     let inputs = ranks.fill(seed ^ 0xc0c0 ^ u64::from(lane), n)?;
     ranks.launch(f, 0, n, lane)?;
     std::thread::sleep(Duration::from_millis(50));

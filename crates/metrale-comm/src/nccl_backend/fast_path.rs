@@ -4,9 +4,9 @@
 //! its scratch buffer.
 //!
 //! Invariants:
-//! - The choice, in order: the one-shot path (bf16, on, a size inside its
-//!   policy, outside a group and registered or symmetric memory; graph
-//!   capture allowed), then the fast path, then NCCL's all-reduce. Every
+//! - The choice, in order: the one-shot path (bf16, f16 or f32, on, a size
+//!   inside its policy, outside a group and registered or symmetric
+//!   memory; graph capture allowed), then the fast path, then NCCL's all-reduce. Every
 //!   input of the choice is the same on every rank (configuration, world
 //!   size, the set-up's agreed verdict), so every rank takes one path.
 //! - The fast path runs only for bf16 on 2 ranks with an add kernel, for a
@@ -33,7 +33,8 @@ pub enum AllReducePath {
     /// Grouped send/recv into the scratch buffer, then the bf16 add kernel.
     FastPath,
     /// Every rank pushes its input into every peer's buffer and sums them
-    /// all (2 to 8 ranks of one node, peer access proven at set-up).
+    /// all (bf16, f16 and f32; 2 to 8 ranks of one node, peer access
+    /// proven at set-up).
     OneShot,
 }
 
@@ -53,7 +54,7 @@ impl Inner {
         captured: bool,
     ) -> AllReducePath {
         let outside_registered = !ptr.is_some_and(|p| slot.in_registered_memory(p, bytes));
-        if dtype == DataType::Bfloat16
+        if kernels::one_shot_name(dtype).is_some()
             && slot.one_shot.is_on()
             && self.config.one_shot.takes(bytes)
             && !self.in_group(slot)
@@ -158,7 +159,9 @@ impl Inner {
         let bytes = elems * dtype.size();
         match self.choose_path(slot, Some(ptr), bytes, dtype, captured) {
             AllReducePath::FastPath => self.fast_path(slot, ptr, elems, stream),
-            AllReducePath::OneShot => self.one_shot_all_reduce(slot, ptr, elems, stream, captured),
+            AllReducePath::OneShot => {
+                self.one_shot_all_reduce(slot, (ptr, elems, dtype), stream, captured)
+            }
             AllReducePath::Nccl => {
                 let comm = slot.comm("all_reduce")?;
                 // SAFETY: `ptr` is valid for `elems` of `dtype` (the view's

@@ -287,13 +287,21 @@ impl NcclBackend {
     }
 
     /// Which path an eager bf16 `all_reduce` takes now for `bytes` in
-    /// ordinary device memory (buffers in registered or symmetric memory
-    /// and other types always take NCCL's all-reduce; work captured into a
-    /// CUDA graph takes the one-shot path or NCCL's).
+    /// ordinary device memory: [`NcclBackend::all_reduce_path_of`] for
+    /// bf16.
     pub fn all_reduce_path(&self, bytes: usize) -> AllReducePath {
+        self.all_reduce_path_of(nccl_safe::DataType::Bfloat16, bytes)
+    }
+
+    /// Which path an eager `all_reduce` of `dtype` takes now for `bytes` in
+    /// ordinary device memory. Buffers in registered or symmetric memory
+    /// always take NCCL's all-reduce, and so do types other than bf16, f16
+    /// and f32 (the one-shot path's) and, on the fast path, other than
+    /// bf16; work captured into a CUDA graph takes the one-shot path or
+    /// NCCL's.
+    pub fn all_reduce_path_of(&self, dtype: nccl_safe::DataType, bytes: usize) -> AllReducePath {
         let slot = self.inner.slot.lock();
-        self.inner
-            .choose_path(&slot, None, bytes, nccl_safe::DataType::Bfloat16, false)
+        self.inner.choose_path(&slot, None, bytes, dtype, false)
     }
 
     /// Why the one-shot all-reduce is off on this backend (policy, world

@@ -1,9 +1,9 @@
 //! The one-shot all-reduce over peer memory, for the 2 to 8 ranks of one
-//! node: every rank pushes its bf16 input into a buffer of every peer, and
-//! every rank adds all contributions itself, in rank order, in f32
-//! (`kernels/bf16_one_shot.cu` has the protocol; [`crate::kernels::one_shot_sum`]
-//! the arithmetic). One kernel launch per call (per chunk of the slot size),
-//! no barrier, no NCCL call.
+//! node: every rank pushes its bf16, f16 or f32 input into a buffer of
+//! every peer, and every rank adds all contributions itself, in rank order,
+//! in f32 (`kernels/one_shot.cu` has the protocol;
+//! [`crate::kernels::one_shot_sum`] the arithmetic). One kernel launch per
+//! call (per chunk of the slot size), no barrier, no NCCL call.
 //!
 //! Set-up, at construction and at every reconnect, over the new
 //! communicator (all ranks take the same steps, so the collectives match):
@@ -16,9 +16,10 @@
 //! 3. map every peer's buffer: `cuIpcOpenMemHandle`, or where the driver
 //!    refuses a handle of this very process, the peer's address with
 //!    `cuCtxEnablePeerAccess`; exchange how that went;
-//! 4. prove it: run the kernel on both halves of both lanes with a known
-//!    pattern and check every element on the host (a real write to and read
-//!    from every peer), then exchange the verdicts. The path is on only if
+//! 4. prove it: run the kernels on both halves of both lanes with a known
+//!    pattern, every type's kernel at least once, and check every element
+//!    on the host (a real write to and read from every peer), then exchange
+//!    the verdicts. The path is on only if
 //!    every rank succeeded; otherwise it is off on every rank, and each rank
 //!    logs which rank failed and why.
 //!
@@ -64,7 +65,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cuda_sys::CUstream;
-use nccl_safe::{Context, DeviceBuffer, Event, Function, HostWords, IpcMapping, Module};
+use nccl_safe::{Context, DataType, DeviceBuffer, Event, Function, HostWords, IpcMapping, Module};
 
 use super::{Inner, Slot};
 use crate::config::OneShotPolicy;
@@ -79,8 +80,9 @@ const LANE_EAGER: u32 = 0;
 const LANE_GRAPH: u32 = 1;
 /// The largest slot (bytes one rank sends one peer per launch).
 const MAX_SLOT_BYTES: usize = 1 << 20;
-/// The smallest slot.
-const MIN_SLOT_BYTES: usize = 4 << 10;
+/// The smallest slot: room for the set-up probe's calls, which span two
+/// blocks of every type's kernel.
+const MIN_SLOT_BYTES: usize = 16 << 10;
 /// The sentinel filling every free slot word.
 const SENTINEL: u32 = kernels::ONE_SHOT_SENTINEL;
 /// Kernel statuses (the `.cu` file's `OS_STATUS_*`).
@@ -120,9 +122,38 @@ struct Live {
     slot_bytes: usize,
 }
 
+/// The kernel of every type the path serves ([`kernels::one_shot_name`]),
+/// of one module.
+struct Kernels {
+    bf16: Function,
+    f16: Function,
+    f32: Function,
+}
+
+impl Kernels {
+    fn load(ctx: &Arc<Context>) -> nccl_safe::Result<Kernels> {
+        let module = Module::load_ptx(ctx, kernels::ONE_SHOT_PTX)?;
+        Ok(Kernels {
+            bf16: module.function(kernels::BF16_ONE_SHOT_NAME)?,
+            f16: module.function(kernels::F16_ONE_SHOT_NAME)?,
+            f32: module.function(kernels::F32_ONE_SHOT_NAME)?,
+        })
+    }
+
+    /// The kernel for `dtype`, `None` for a type the path does not serve.
+    fn of(&self, dtype: DataType) -> Option<&Function> {
+        match dtype {
+            DataType::Bfloat16 => Some(&self.bf16),
+            DataType::Float16 => Some(&self.f16),
+            DataType::Float32 => Some(&self.f32),
+            _ => None,
+        }
+    }
+}
+
 /// The one-shot path's state, in the slot.
 pub(super) struct OneShot {
-    kernel: Option<Function>,
+    kernels: Option<Kernels>,
     live: Option<Live>,
     /// Every rank proved the path: it is on.
     on: bool,
@@ -139,7 +170,7 @@ pub(super) struct OneShot {
 impl OneShot {
     pub(super) fn new(ctx: &Arc<Context>) -> nccl_safe::Result<OneShot> {
         Ok(OneShot {
-            kernel: None,
+            kernels: None,
             live: None,
             on: false,
             off: "not set up".to_string(),
@@ -149,16 +180,13 @@ impl OneShot {
         })
     }
 
-    /// The kernel, loaded on first use (backends whose policy or world
-    /// size rules the path out never JIT-compile it).
-    fn kernel(&mut self, ctx: &Arc<Context>) -> nccl_safe::Result<&Function> {
-        if self.kernel.is_none() {
-            let module = Module::load_ptx(ctx, kernels::BF16_ONE_SHOT_PTX)?;
-            self.kernel = Some(module.function(kernels::BF16_ONE_SHOT_NAME)?);
+    /// The kernels, loaded on first use (backends whose policy or world
+    /// size rules the path out never JIT-compile them).
+    fn load_kernels(&mut self, ctx: &Arc<Context>) -> nccl_safe::Result<()> {
+        if self.kernels.is_none() {
+            self.kernels = Some(Kernels::load(ctx)?);
         }
-        self.kernel
-            .as_ref()
-            .ok_or_else(|| nccl_safe::Error::invalid("one-shot kernel", "not loaded"))
+        Ok(())
     }
 
     /// Whether the path is on (set up and proven on every rank).
@@ -212,24 +240,25 @@ impl Inner {
         }
     }
 
-    /// Enqueues a one-shot all-reduce of `elems` bf16 values at `ptr` on
-    /// `stream` (lane 1 when `captured`), in chunks of the slot size.
+    /// Enqueues a one-shot all-reduce of `elems` values of `dtype` at `ptr`
+    /// on `stream` (lane 1 when `captured`), in chunks of the slot size.
     pub(super) fn one_shot_all_reduce(
         &self,
         slot: &mut Slot,
-        ptr: u64,
-        elems: usize,
+        (ptr, elems, dtype): (u64, usize, DataType),
         stream: CUstream,
         captured: bool,
     ) -> nccl_safe::Result<()> {
         let os = &mut slot.one_shot;
-        let (Some(live), Some(kernel), true) = (os.live.as_ref(), os.kernel.clone(), os.on) else {
+        let kernel = os.kernels.as_ref().and_then(|k| k.of(dtype)).cloned();
+        let (Some(live), Some(kernel), true) = (os.live.as_ref(), kernel, os.on) else {
             return Err(nccl_safe::Error::invalid(
                 "one-shot all-reduce",
-                "the path is off",
+                format!("the path is off for {dtype}"),
             ));
         };
-        let (ctrl, chunk) = (live.ctrl.device_ptr(), live.slot_bytes / 2);
+        let size = dtype.size();
+        let (ctrl, chunk) = (live.ctrl.device_ptr(), live.slot_bytes / size);
         let lane = if captured { LANE_GRAPH } else { LANE_EAGER };
         if !captured && os.eager_stream.is_some_and(|s| s != stream) {
             // SAFETY: `stream` is ours or the caller's live stream of this
@@ -239,12 +268,12 @@ impl Inner {
         let mut off = 0usize;
         while off < elems {
             let len = chunk.min(elems - off);
-            // SAFETY: the range lies inside the caller's view of bf16 values
-            // on this context; `ctrl` is this rank's set-up control block,
-            // which lives until the release waited for this work.
-            unsafe {
-                kernels::launch_one_shot(&kernel, ctrl, ptr + (off * 2) as u64, len, lane, stream)?
-            };
+            let at = ptr + (off * size) as u64;
+            // SAFETY: `kernel` is `dtype`'s; the range lies inside the
+            // caller's view of `dtype` values on this context; `ctrl` is
+            // this rank's set-up control block, which lives until the
+            // release waited for this work.
+            unsafe { kernels::launch_one_shot(&kernel, ctrl, at, (len, dtype), lane, stream)? };
             off += len;
         }
         if !captured {
@@ -361,5 +390,9 @@ mod tests {
             max_bytes: 100_001,
         };
         assert_eq!(slot_bytes_for(odd), 100_016);
+        // Every probe call fits the smallest slot.
+        for dtype in [DataType::Bfloat16, DataType::Float16, DataType::Float32] {
+            assert!(setup::probe_elems(dtype) * dtype.size() <= MIN_SLOT_BYTES);
+        }
     }
 }

@@ -13,21 +13,27 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use half::bf16;
+use half::{bf16, f16};
 use nccl_safe::{Context, DataType, DeviceBuffer, HostWords, IpcHandle, IpcMapping, ReduceOp};
 
 use super::{LANE_EAGER, LANE_GRAPH, Live, MAX_RANKS, PeerMem, SENTINEL, slot_bytes_for};
 use crate::backend::Result;
 use crate::config::OneShotPolicy;
 use crate::error::CommError;
-use crate::kernels;
+use crate::kernels::{self, OneShotElement};
 use crate::nccl_backend::{Inner, Slot};
 
 /// Bytes of one rank's record in the set-up exchanges.
 const RECORD_BYTES: usize = 128;
 const MAGIC: u32 = 0x4f53_5231;
-/// Elements of the set-up probe: odd, over one block.
-const PROBE_ELEMS: usize = 4099;
+/// The set-up probe's calls, in order: its lane and type. Both halves of
+/// both lanes, and every type's kernel.
+const PROBE_ROUNDS: [(u32, DataType); 4] = [
+    (LANE_EAGER, DataType::Bfloat16),
+    (LANE_EAGER, DataType::Float16),
+    (LANE_GRAPH, DataType::Float32),
+    (LANE_GRAPH, DataType::Bfloat16),
+];
 
 /// An identity of this machine (boot id and host name), to tell ranks of
 /// one node from others.
@@ -141,16 +147,34 @@ fn verdicts(records: &[Record]) -> std::result::Result<(), String> {
     }
 }
 
-/// The probe's input of `rank` for `round`: a (+0.0, -0.0) pair first, then
-/// small values whose sums are exact.
-fn probe_input(rank: usize, round: usize) -> Vec<bf16> {
-    (0..PROBE_ELEMS)
+/// Elements of one probe call of `dtype`: odd, and a little over one
+/// block of the kernel (8 KiB), so that two blocks take part.
+pub(super) fn probe_elems(dtype: DataType) -> usize {
+    8192 / dtype.size() + 3
+}
+
+/// The probe's input of `rank` for `round`: the sentinel word first (the
+/// pair (+0.0, -0.0), or the f32 -0.0), then small values whose sums are
+/// exact.
+fn probe_input<T: OneShotElement>(rank: usize, round: usize) -> Vec<T> {
+    let per_word = 4 / T::DATA_TYPE.size();
+    (0..probe_elems(T::DATA_TYPE))
         .map(|i| match i {
-            0 => bf16::from_bits(0),
-            1 => bf16::from_bits(0x8000),
-            _ => bf16::from_f32((rank + 1) as f32 * 0.25 + ((i + round) % 13) as f32 - 6.0),
+            _ if i + 1 == per_word => T::from_f32(-0.0),
+            _ if i < per_word => T::from_f32(0.0),
+            _ => T::from_f32((rank + 1) as f32 * 0.25 + ((i + round) % 13) as f32 - 6.0),
         })
         .collect()
+}
+
+/// How one call of the probe went.
+enum Round {
+    Ok,
+    /// A wrong result or a local error: the later calls still run (the
+    /// peers' calls need this rank's pushes).
+    Wrong(String),
+    /// The call did not complete or its kernel stopped: the probe ends.
+    Stopped(String),
 }
 
 impl Inner {
@@ -242,8 +266,8 @@ impl Inner {
         slot: &mut Slot,
         slot_bytes: usize,
     ) -> std::result::Result<(Live, Record), String> {
-        if let Err(e) = slot.one_shot.kernel(&self.ctx) {
-            return Err(format!("the one-shot kernel does not load: {e}"));
+        if let Err(e) = slot.one_shot.load_kernels(&self.ctx) {
+            return Err(format!("the one-shot kernels do not load: {e}"));
         }
         let dev = self.config.device;
         match nccl_safe::unified_addressing(dev) {
@@ -342,90 +366,103 @@ impl Inner {
         slot: &mut Slot,
         deadline: Instant,
     ) -> Result<std::result::Result<(), String>> {
+        // Every round runs even after a wrong result, so that the peers'
+        // rounds find this rank's pushes; a round that does not complete
+        // ends the probe (the abort word makes later rounds no-ops).
+        let mut first: std::result::Result<(), String> = Ok(());
+        for (round, (lane, dtype)) in PROBE_ROUNDS.into_iter().enumerate() {
+            let r = match dtype {
+                DataType::Float16 => self.one_shot_probe_round::<f16>(slot, round, lane, deadline),
+                DataType::Float32 => self.one_shot_probe_round::<f32>(slot, round, lane, deadline),
+                _ => self.one_shot_probe_round::<bf16>(slot, round, lane, deadline),
+            }?;
+            let (result, go_on) = match r {
+                Round::Ok => (Ok(()), true),
+                Round::Wrong(why) => (Err(why), true),
+                Round::Stopped(why) => (Err(why), false),
+            };
+            if first.is_ok() {
+                first = result.map_err(|why| format!("{why} ({dtype}, lane {lane})"));
+            }
+            if !go_on {
+                break;
+            }
+        }
+        Ok(first)
+    }
+
+    /// One call of the probe on `T`'s kernel, on lane `lane`, checked
+    /// element by element.
+    fn one_shot_probe_round<T: OneShotElement>(
+        &self,
+        slot: &mut Slot,
+        round: usize,
+        lane: u32,
+        deadline: Instant,
+    ) -> Result<Round> {
         let stream = slot.stream.raw();
         let budget = || {
             deadline
                 .saturating_duration_since(Instant::now())
                 .min(self.config.collective_timeout)
         };
-        let mut buf = match DeviceBuffer::<bf16>::alloc(&self.ctx, PROBE_ELEMS) {
+        let n = probe_elems(T::DATA_TYPE);
+        let inputs: Vec<Vec<T>> = (0..self.world_size)
+            .map(|r| probe_input(r, round))
+            .collect();
+        let want = kernels::one_shot_sum(&inputs).unwrap_or_default();
+        let buf = match DeviceBuffer::<T>::from_host(&self.ctx, &inputs[self.rank]) {
             Ok(b) => b,
-            Err(e) => return Ok(Err(format!("probe buffer: {e}"))),
+            Err(e) => return Ok(Round::Wrong(format!("probe input: {e}"))),
         };
         let os = &slot.one_shot;
-        let (Some(live), Some(kernel)) = (os.live.as_ref(), os.kernel.as_ref()) else {
-            return Ok(Err("no buffers".into()));
+        let kernel = os.kernels.as_ref().and_then(|k| k.of(T::DATA_TYPE));
+        let (Some(live), Some(kernel)) = (os.live.as_ref(), kernel) else {
+            return Ok(Round::Stopped("no buffers".into()));
         };
-        // Every round runs even after a wrong result, so that the peers'
-        // rounds find this rank's pushes; a round that does not complete
-        // ends the probe (the abort word makes later rounds no-ops).
-        let mut first: std::result::Result<(), String> = Ok(());
-        for (round, lane) in [LANE_EAGER, LANE_EAGER, LANE_GRAPH, LANE_GRAPH]
-            .into_iter()
-            .enumerate()
-        {
-            let inputs: Vec<Vec<bf16>> = (0..self.world_size)
-                .map(|r| probe_input(r, round))
-                .collect();
-            let want = kernels::one_shot_sum(&inputs).unwrap_or_default();
-            let mut fail = |why: String| {
-                if first.is_ok() {
-                    first = Err(why);
-                }
-            };
-            if let Err(e) = buf.copy_from_host(&inputs[self.rank]) {
-                fail(format!("probe input: {e}"));
-                continue;
-            }
-            // SAFETY: the probe buffer holds PROBE_ELEMS values of this
-            // context; the control block is set up; our own stream.
-            let launched = unsafe {
-                kernels::launch_one_shot(
-                    kernel,
-                    live.ctrl.device_ptr(),
-                    buf.device_ptr(),
-                    PROBE_ELEMS,
-                    lane,
-                    stream,
-                )
-            };
-            if let Err(e) = launched {
-                fail(format!("probe launch: {e}"));
-                continue;
-            }
-            if slot.stream.wait_until_idle(budget()).is_err() {
-                live.flags.store(0, 1);
-                slot.stream
-                    .wait_until_idle(self.config.collective_timeout)
-                    .map_err(|e| CommError::setup("one-shot probe (after its abort)", e))?;
-                fail(format!(
-                    "the probe (lane {lane}) did not complete: a peer's pushes never landed"
-                ));
-                break;
-            }
-            match live.flags.load(1) {
-                0 => {}
-                s => {
-                    fail(format!("the probe kernel stopped with status {s}"));
-                    break;
-                }
-            }
-            match buf.to_host_vec() {
-                Ok(got) => {
-                    if let Some(i) =
-                        (0..PROBE_ELEMS).find(|&i| got[i].to_bits() != want[i].to_bits())
-                    {
-                        fail(format!(
-                            "probe element {i} is {:#06x}, expected {:#06x} (lane {lane})",
-                            got[i].to_bits(),
-                            want[i].to_bits()
-                        ));
-                    }
-                }
-                Err(e) => fail(format!("probe result: {e}")),
-            }
+        // SAFETY: `kernel` is `T`'s; the probe buffer holds `n` values of
+        // `T` of this context; the control block is set up; our own stream.
+        let launched = unsafe {
+            kernels::launch_one_shot(
+                kernel,
+                live.ctrl.device_ptr(),
+                buf.device_ptr(),
+                (n, T::DATA_TYPE),
+                lane,
+                stream,
+            )
+        };
+        if let Err(e) = launched {
+            return Ok(Round::Wrong(format!("probe launch: {e}")));
         }
-        Ok(first)
+        if slot.stream.wait_until_idle(budget()).is_err() {
+            live.flags.store(0, 1);
+            slot.stream
+                .wait_until_idle(self.config.collective_timeout)
+                .map_err(|e| CommError::setup("one-shot probe (after its abort)", e))?;
+            return Ok(Round::Stopped(
+                "the probe did not complete: a peer's pushes never landed".into(),
+            ));
+        }
+        if let s @ 1.. = live.flags.load(1) {
+            return Ok(Round::Stopped(format!(
+                "the probe kernel stopped with status {s}"
+            )));
+        }
+        let got = match buf.to_host_vec() {
+            Ok(got) => got,
+            Err(e) => return Ok(Round::Wrong(format!("probe result: {e}"))),
+        };
+        Ok(
+            match (0..n).find(|&i| got[i].to_bits32() != want[i].to_bits32()) {
+                Some(i) => Round::Wrong(format!(
+                    "probe element {i} is {:#x}, expected {:#x}",
+                    got[i].to_bits32(),
+                    want[i].to_bits32()
+                )),
+                None => Round::Ok,
+            },
+        )
     }
 
     /// Every rank's record, by an all-reduce sum of bytes (each rank writes

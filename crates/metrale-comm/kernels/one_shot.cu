@@ -1,18 +1,21 @@
-// bf16_one_shot.cu: the one-shot all-reduce of metrale-comm over peer memory
-// (the ranks of one node, 2 to 8).
+// one_shot.cu: the one-shot all-reduce of metrale-comm over peer memory
+// (the ranks of one node, 2 to 8), for bf16, f16 and f32: one entry point
+// per type (bf16_one_shot_all_reduce, f16_one_shot_all_reduce,
+// f32_one_shot_all_reduce), one protocol, the type only in how 16 bytes
+// become f32 values and back.
 //
 // Compiled to PTX by `cargo xtask ptx` (nvcc --ptx -arch=compute_80) into
-// bf16_one_shot.ptx beside this file; the PTX is committed and loaded at run
+// one_shot.ptx beside this file; the PTX is committed and loaded at run
 // time with cuModuleLoadData. The CPU emulator (crates/gpu-emu/src/one_shot.rs)
-// runs the same protocol and arithmetic by this kernel's name.
+// runs the same protocol and arithmetic by these kernels' names.
 //
 // Protocol (a Lamport-style push: the data says it has arrived, no barrier):
 //   Every rank owns a receive buffer that every peer maps (CUDA IPC, or a
 //   direct pointer with peer access in one process). It holds 2 lanes (0:
 //   eager work, 1: work captured into graphs) x 2 halves x `world` slots of
 //   `slot_bytes`; slot p of a half receives rank p's contribution. Outside a
-//   call every 32-bit word of it is the sentinel 0x80000000 (the bf16 pair
-//   (+0.0, -0.0)).
+//   call every 32-bit word of it is the sentinel 0x80000000 (the bf16 or
+//   f16 pair (+0.0, -0.0), the f32 -0.0).
 //   A call on lane L uses half (epoch of L) & 1. Each rank
 //     0. claims the lane: thread 0 of every block ORs the launch's owner tag
 //        into the lane's claim word (tag << 8 | epoch mod 256), one atomic
@@ -26,7 +29,8 @@
 //        (replaced) input or spins on the peer's slot in its own buffer until
 //        no word is the sentinel, writes the sentinel back (the slot is clean
 //        for the call that uses this half next), and adds in f32;
-//     3. rounds the f32 sums to bf16 (nearest even) into the data, in place;
+//     3. rounds the f32 sums to the type (nearest even) into the data, in
+//        place (f32: no rounding);
 //     4. frees the lane at the next epoch with one store of the claim word,
 //        from the last block to arrive (a one-block call counts nothing).
 //   The path from launch to push is one round trip to device memory (the
@@ -40,9 +44,10 @@
 //   rank's call k (and its clearing) ended. Two halves suffice because the
 //   slot is cleared by its reader inside the call that read it.
 //
-// Arithmetic: out[i] = bf16_rn(((v0 + v1) + v2) + ...) in f32, v_r rank r's
-// input with the word (+0.0, -0.0) read as (+0.0, +0.0) (the pair is
-// aligned to even element indices of the call). Every rank adds in the same
+// Arithmetic: out[i] = round(((v0 + v1) + v2) + ...) in f32, v_r rank r's
+// input with the word 0x80000000 read as 0: for bf16 and f16 the pair
+// (+0.0, -0.0), aligned to even element indices of the call, reads as
+// (+0.0, +0.0); for f32 -0.0 reads as +0.0. Every rank adds in the same
 // order, so every rank's result is bit-identical.
 //
 // Bounds: a spinning thread reads the control block's `failed` word and the
@@ -69,8 +74,9 @@
 //
 // Launch contract:
 //   params: ctrl  device pointer to this rank's OsCtrl (below);
-//           data  device pointer to n bf16 values, read and written in place;
-//           n     element count, 1 <= n, n * 2 <= ctrl->slot_bytes;
+//           data  device pointer to n values of the entry's type, read and
+//                 written in place;
+//           n     element count, 1 <= n, n * sizeof(type) <= ctrl->slot_bytes;
 //           lane  0 (eager) or 1 (captured into a graph).
 //   block:  8 to OS_BLOCK (512) threads in x; any grid size is correct
 //           (grid-stride loops); the host uses at most 32 blocks so that
@@ -80,6 +86,7 @@
 // between the GPUs of one node); no multicast, no multimem.
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #define OS_BLOCK 512
 #define OS_MAX_RANKS 8
@@ -192,81 +199,146 @@ __device__ __forceinline__ bool os_arrived(uint4 v)
            v.w != OS_SENTINEL;
 }
 
-// Elements 8u .. 8u + 7 of `data` as four words; elements at or past `n`
-// read as +0.0.
-__device__ __forceinline__ uint4 os_load(const unsigned short* data, unsigned long long n,
+// The element types: `Bits` is how one value is stored, PER values fill
+// 16 bytes; `acc` adds (or, for the first rank, sets) 16 bytes of values
+// into PER f32 sums; `pack` rounds the sums back into 16 bytes.
+struct OsBf16 {
+    typedef unsigned short Bits;
+    static constexpr int PER = 8;
+    static __device__ __forceinline__ float lo(unsigned int w) { return __uint_as_float(w << 16); }
+    static __device__ __forceinline__ float hi(unsigned int w)
+    {
+        return __uint_as_float(w & 0xFFFF0000u);
+    }
+    static __device__ __forceinline__ unsigned int bits(float x)
+    {
+        return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+    }
+};
+
+struct OsF16 {
+    typedef unsigned short Bits;
+    static constexpr int PER = 8;
+    static __device__ __forceinline__ float lo(unsigned int w)
+    {
+        return __half2float(__ushort_as_half((unsigned short)(w & 0xFFFFu)));
+    }
+    static __device__ __forceinline__ float hi(unsigned int w)
+    {
+        return __half2float(__ushort_as_half((unsigned short)(w >> 16)));
+    }
+    static __device__ __forceinline__ unsigned int bits(float x)
+    {
+        return __half_as_ushort(__float2half_rn(x));
+    }
+};
+
+struct OsF32 {
+    typedef unsigned int Bits;
+    static constexpr int PER = 4;
+};
+
+// Elements PER u .. PER u + PER - 1 of `data` as four words; elements at or
+// past `n` read as +0.0.
+template <class E>
+__device__ __forceinline__ uint4 os_load(const typename E::Bits* data, unsigned long long n,
                                          unsigned long long u, bool aligned)
 {
-    const unsigned long long i = u * 8ull;
-    if (aligned && i + 8ull <= n) {
+    const unsigned long long i = u * E::PER;
+    if (aligned && i + E::PER <= n) {
         return *reinterpret_cast<const uint4*>(data + i);
     }
-    unsigned int e[8];
+    unsigned int e[E::PER];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
+    for (int k = 0; k < E::PER; ++k) {
         e[k] = (i + k < n) ? (unsigned int)data[i + k] : 0u;
     }
-    uint4 v;
-    v.x = e[0] | (e[1] << 16);
-    v.y = e[2] | (e[3] << 16);
-    v.z = e[4] | (e[5] << 16);
-    v.w = e[6] | (e[7] << 16);
-    return v;
+    if constexpr (E::PER == 8) {
+        return make_uint4(e[0] | (e[1] << 16), e[2] | (e[3] << 16), e[4] | (e[5] << 16),
+                          e[6] | (e[7] << 16));
+    } else {
+        return make_uint4(e[0], e[1], e[2], e[3]);
+    }
 }
 
-// Writes the elements of `v` that lie below `n` to elements 8u .. 8u + 7.
-__device__ __forceinline__ void os_store(unsigned short* data, unsigned long long n,
+// Writes the elements of `v` that lie below `n` to elements PER u ..
+// PER u + PER - 1.
+template <class E>
+__device__ __forceinline__ void os_store(typename E::Bits* data, unsigned long long n,
                                          unsigned long long u, bool aligned, uint4 v)
 {
-    const unsigned long long i = u * 8ull;
-    if (aligned && i + 8ull <= n) {
+    const unsigned long long i = u * E::PER;
+    if (aligned && i + E::PER <= n) {
         *reinterpret_cast<uint4*>(data + i) = v;
         return;
     }
     const unsigned int w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
+    for (int k = 0; k < E::PER; ++k) {
         if (i + k < n) {
-            data[i + k] = (unsigned short)(w[k / 2] >> (16 * (k % 2)));
+            if constexpr (E::PER == 8) {
+                data[i + k] = (typename E::Bits)(w[k / 2] >> (16 * (k % 2)));
+            } else {
+                data[i + k] = (typename E::Bits)w[k];
+            }
         }
     }
 }
 
-__device__ __forceinline__ float os_lo(unsigned int w)
-{
-    return __uint_as_float(w << 16);
-}
-
-__device__ __forceinline__ float os_hi(unsigned int w)
-{
-    return __uint_as_float(w & 0xFFFF0000u);
-}
-
+// 16 bytes of 16-bit values into 8 sums.
+template <class E>
 __device__ __forceinline__ void os_acc(float* acc, uint4 v, bool first)
 {
     const unsigned int w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
         if (first) {
-            acc[2 * k] = os_lo(w[k]);
-            acc[2 * k + 1] = os_hi(w[k]);
+            acc[2 * k] = E::lo(w[k]);
+            acc[2 * k + 1] = E::hi(w[k]);
         } else {
-            acc[2 * k] += os_lo(w[k]);
-            acc[2 * k + 1] += os_hi(w[k]);
+            acc[2 * k] += E::lo(w[k]);
+            acc[2 * k + 1] += E::hi(w[k]);
         }
     }
 }
 
-__device__ __forceinline__ unsigned int os_pack(float lo, float hi)
+// 16 bytes of f32 values into 4 sums.
+template <>
+__device__ __forceinline__ void os_acc<OsF32>(float* acc, uint4 v, bool first)
 {
-    const unsigned int l = __bfloat16_as_ushort(__float2bfloat16_rn(lo));
-    const unsigned int h = __bfloat16_as_ushort(__float2bfloat16_rn(hi));
-    return l | (h << 16);
+    const unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        if (first) {
+            acc[k] = __uint_as_float(w[k]);
+        } else {
+            acc[k] += __uint_as_float(w[k]);
+        }
+    }
 }
 
-extern "C" __global__ void __launch_bounds__(OS_BLOCK)
-bf16_one_shot_all_reduce(OsCtrl* ctrl, unsigned short* data, unsigned long long n,
-                         unsigned int lane)
+template <class E>
+__device__ __forceinline__ uint4 os_pack(const float* acc)
+{
+    uint4 out;
+    out.x = E::bits(acc[0]) | (E::bits(acc[1]) << 16);
+    out.y = E::bits(acc[2]) | (E::bits(acc[3]) << 16);
+    out.z = E::bits(acc[4]) | (E::bits(acc[5]) << 16);
+    out.w = E::bits(acc[6]) | (E::bits(acc[7]) << 16);
+    return out;
+}
+
+template <>
+__device__ __forceinline__ uint4 os_pack<OsF32>(const float* acc)
+{
+    return make_uint4(__float_as_uint(acc[0]), __float_as_uint(acc[1]), __float_as_uint(acc[2]),
+                      __float_as_uint(acc[3]));
+}
+
+// The kernel of every type: `data` holds `n` values of E.
+template <class E>
+__device__ __forceinline__ void os_one_shot(OsCtrl* ctrl, typename E::Bits* data,
+                                            unsigned long long n, unsigned int lane)
 {
     __shared__ unsigned int s_epoch;
     __shared__ unsigned int s_go;
@@ -296,15 +368,15 @@ bf16_one_shot_all_reduce(OsCtrl* ctrl, unsigned short* data, unsigned long long 
     const unsigned int rank = ctrl->rank;
     const unsigned long long slot = ctrl->slot_bytes;
     const unsigned long long timeout = ctrl->timeout_ns;
-    const unsigned long long units = (n + 7ull) / 8ull;
+    const unsigned long long units = (n + E::PER - 1ull) / E::PER;
     const bool aligned = (reinterpret_cast<unsigned long long>(data) & 15ull) == 0ull;
     const unsigned long long tid = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     const bool bad = lane > 1u || world < 2u || world > OS_MAX_RANKS || rank >= world ||
-                     n == 0ull || n * 2ull > slot || (slot & 15ull) != 0ull;
+                     n == 0ull || n * sizeof(typename E::Bits) > slot || (slot & 15ull) != 0ull;
     uint4 first = make_uint4(0u, 0u, 0u, 0u);
     if (tid < units) {
-        first = os_canon(os_load(data, n, tid, aligned));
+        first = os_canon(os_load<E>(data, n, tid, aligned));
     }
 
     if (threadIdx.x == 0) {
@@ -333,7 +405,7 @@ bf16_one_shot_all_reduce(OsCtrl* ctrl, unsigned short* data, unsigned long long 
 
     // 1. Push this rank's contribution into slot `rank` of every peer.
     for (unsigned long long u = tid; u < units; u += stride) {
-        const uint4 v = u == tid ? first : os_canon(os_load(data, n, u, aligned));
+        const uint4 v = u == tid ? first : os_canon(os_load<E>(data, n, u, aligned));
         for (unsigned int p = 0; p < world; ++p) {
             if (p != rank) {
                 os_st(s_peer[p] + region + rank * slot + u * 16ull, v);
@@ -351,7 +423,7 @@ bf16_one_shot_all_reduce(OsCtrl* ctrl, unsigned short* data, unsigned long long 
         for (unsigned int p = 0; p < world && !bail; ++p) {
             uint4 v;
             if (p == rank) {
-                v = u == tid ? first : os_canon(os_load(data, n, u, aligned));
+                v = u == tid ? first : os_canon(os_load<E>(data, n, u, aligned));
             } else {
                 const unsigned long long src = mine + p * slot + u * 16ull;
                 v = os_ld(src);
@@ -378,15 +450,10 @@ bf16_one_shot_all_reduce(OsCtrl* ctrl, unsigned short* data, unsigned long long 
                 }
                 os_st(src, clear);
             }
-            os_acc(acc, v, p == 0u);
+            os_acc<E>(acc, v, p == 0u);
         }
         if (!bail) {
-            uint4 out;
-            out.x = os_pack(acc[0], acc[1]);
-            out.y = os_pack(acc[2], acc[3]);
-            out.z = os_pack(acc[4], acc[5]);
-            out.w = os_pack(acc[6], acc[7]);
-            os_store(data, n, u, aligned, out);
+            os_store<E>(data, n, u, aligned, os_pack<E>(acc));
         }
     }
 
@@ -409,4 +476,25 @@ bf16_one_shot_all_reduce(OsCtrl* ctrl, unsigned short* data, unsigned long long 
             atomicExch(&l->claim, (unsigned long long)((s_epoch + 1u) & 0xFFu));
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(OS_BLOCK)
+bf16_one_shot_all_reduce(OsCtrl* ctrl, unsigned short* data, unsigned long long n,
+                         unsigned int lane)
+{
+    os_one_shot<OsBf16>(ctrl, data, n, lane);
+}
+
+extern "C" __global__ void __launch_bounds__(OS_BLOCK)
+f16_one_shot_all_reduce(OsCtrl* ctrl, unsigned short* data, unsigned long long n,
+                        unsigned int lane)
+{
+    os_one_shot<OsF16>(ctrl, data, n, lane);
+}
+
+extern "C" __global__ void __launch_bounds__(OS_BLOCK)
+f32_one_shot_all_reduce(OsCtrl* ctrl, unsigned int* data, unsigned long long n,
+                        unsigned int lane)
+{
+    os_one_shot<OsF32>(ctrl, data, n, lane);
 }
