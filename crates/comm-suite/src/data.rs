@@ -182,7 +182,8 @@ pub fn all_reduce_reference<T: SuiteElem>(
 /// `input(rank)` gives (`metrale_comm::kernels::one_shot_sum`'s arithmetic:
 /// the f32 sum in rank order rounded once to the type, a (+0.0, -0.0) pair
 /// of bf16 or f16 at an even index read as (+0.0, +0.0), an f32 -0.0 read
-/// as +0.0), one rank's input in memory at a time.
+/// as +0.0, a NaN sum the GPU's canonical NaN), one rank's input in memory
+/// at a time.
 pub fn one_shot_reference<T: OneShotElement + SuiteElem>(
     world: usize,
     input: impl Fn(usize) -> Vec<T>,
@@ -210,7 +211,16 @@ pub fn one_shot_reference<T: OneShotElement + SuiteElem>(
             *a += x;
         }
     }
-    acc.into_iter().map(T::from_f32).collect()
+    // The GPU's adds return the canonical NaN (f32 bits 0x7FFF_FFFF).
+    acc.into_iter()
+        .map(|a| {
+            T::from_f32(if a.is_nan() {
+                f32::from_bits(0x7FFF_FFFF)
+            } else {
+                a
+            })
+        })
+        .collect()
 }
 
 /// Checks every element of `got` against `want`: bit-exact when `exact`,
@@ -319,7 +329,11 @@ mod tests {
         inputs[1][3] = half::f16::from_bits(0x8000);
         inputs[2][7] = half::f16::from_bits(0x8000);
         let lib = metrale_comm::kernels::one_shot_sum(&inputs).unwrap();
-        assert_eq!(lib, one_shot_reference(3, |k| inputs[k].clone()));
+        let ours = one_shot_reference(3, |k| inputs[k].clone());
+        assert_eq!(
+            lib.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            ours.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
         let mut inputs: Vec<Vec<f32>> = (0..7).map(|k| random_vec(5, k, 9, 33)).collect();
         inputs[0][0] = -0.0;
         inputs[1][0] = -0.0;

@@ -146,8 +146,22 @@ impl<T: OneShotElement + SuiteElem> LocalOneShot<T> {
                     *x = T::from_f32(if k + 1 == per_word { -0.0 } else { 0.0 });
                 }
             }
-            self.data[r].copy_prefix_from_host(&v)?;
             inputs.push(v);
+        }
+        self.load(inputs)
+    }
+
+    /// Copies `inputs[r]` (one per rank, at most [`LocalOneShot::max_elems`]
+    /// each) into rank `r`'s data buffer; returns them.
+    pub fn load(&mut self, inputs: Vec<Vec<T>>) -> anyhow::Result<Vec<Vec<T>>> {
+        ensure!(
+            inputs.len() == self.k,
+            "{} inputs for {} ranks",
+            inputs.len(),
+            self.k
+        );
+        for (d, v) in self.data.iter_mut().zip(&inputs) {
+            d.copy_prefix_from_host(v)?;
         }
         Ok(inputs)
     }

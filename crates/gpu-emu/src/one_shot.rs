@@ -94,8 +94,18 @@ impl Elem {
     }
 
     /// The word of the values `v` (laid out as [`Elem::values`] gives
-    /// them), rounded to the type to nearest even.
+    /// them), rounded to the type to nearest even; a NaN is the GPU's
+    /// canonical NaN (its f32 add returns bits `0x7FFF_FFFF` whatever the
+    /// operands', where the host's keeps a payload or gives `0xFFC0_0000`),
+    /// which rounds to `0x7FFF` in bf16 and f16.
     fn word(self, v: [f32; 2]) -> u32 {
+        let v = v.map(|x| {
+            if x.is_nan() {
+                f32::from_bits(0x7FFF_FFFF)
+            } else {
+                x
+            }
+        });
         let pair = |lo: u16, hi: u16| u32::from(lo) | (u32::from(hi) << 16);
         match self {
             Elem::Bf16 => pair(
@@ -518,5 +528,13 @@ mod tests {
             assert_eq!(Elem::by_name(e.name()), Some(e));
         }
         assert_eq!(Elem::by_name("bf16_add_inplace"), None);
+        // NaNs come out as the GPU's canonical NaN, in every type.
+        let nan = f32::INFINITY + f32::NEG_INFINITY;
+        assert_eq!(Elem::F32.word([nan, 0.0]), 0x7FFF_FFFF);
+        assert_eq!(Elem::Bf16.word([nan, 1.0]), 0x3F80_7FFF);
+        assert_eq!(
+            Elem::F16.word([f32::from_bits(0xFFC0_0001), 1.0]),
+            0x3C00_7FFF
+        );
     }
 }

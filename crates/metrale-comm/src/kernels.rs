@@ -146,6 +146,9 @@ pub fn one_shot_launch_config(bytes: u64) -> ((u32, u32, u32), (u32, u32, u32)) 
     ((blocks, 1, 1), (ONE_SHOT_BLOCK, 1, 1))
 }
 
+/// The NaN the GPU's f32 arithmetic returns (PTX: "canonical NaN").
+const CANONICAL_NAN: f32 = f32::from_bits(0x7FFF_FFFF);
+
 /// An element type the one-shot kernels reduce: bf16, f16 and f32 (the
 /// trait is sealed).
 pub trait OneShotElement: nccl_safe::Element + sealed::Sealed {
@@ -164,29 +167,23 @@ mod sealed {
     impl Sealed for f32 {}
 }
 
-impl OneShotElement for half::bf16 {
-    fn to_f32(self) -> f32 {
-        half::bf16::to_f32(self)
-    }
-    fn from_f32(x: f32) -> Self {
-        half::bf16::from_f32(x)
-    }
-    fn to_bits32(self) -> u32 {
-        u32::from(self.to_bits())
-    }
+macro_rules! half_element {
+    ($($t:ty),*) => {$(
+        impl OneShotElement for $t {
+            fn to_f32(self) -> f32 {
+                <$t>::to_f32(self)
+            }
+            fn from_f32(x: f32) -> Self {
+                <$t>::from_f32(x)
+            }
+            fn to_bits32(self) -> u32 {
+                u32::from(self.to_bits())
+            }
+        }
+    )*};
 }
 
-impl OneShotElement for half::f16 {
-    fn to_f32(self) -> f32 {
-        half::f16::to_f32(self)
-    }
-    fn from_f32(x: f32) -> Self {
-        half::f16::from_f32(x)
-    }
-    fn to_bits32(self) -> u32 {
-        u32::from(self.to_bits())
-    }
-}
+half_element!(half::bf16, half::f16);
 
 impl OneShotElement for f32 {
     fn to_f32(self) -> f32 {
@@ -208,8 +205,15 @@ impl OneShotElement for f32 {
 /// arrived" mark. For bf16 and f16 that word is a pair of elements `(2j,
 /// 2j + 1)` (indices from the start of the call, or of its chunk; chunks
 /// start at even indices) holding `(+0.0, -0.0)`, which counts as `(+0.0,
-/// +0.0)`; for f32 it is -0.0, which counts as +0.0. Inputs of unequal
-/// length are an error.
+/// +0.0)`; for f32 it is -0.0, which counts as +0.0. A NaN sum is the
+/// GPU's canonical NaN (f32 bits `0x7FFF_FFFF`, bf16 and f16 `0x7FFF`),
+/// whatever the inputs' NaNs were. Inputs of unequal length are an error.
+///
+/// ```
+/// use metrale_comm::kernels::one_shot_sum;
+/// let s = one_shot_sum(&[vec![f32::INFINITY, 1.5], vec![f32::NEG_INFINITY, 2.0]]).unwrap();
+/// assert_eq!((s[0].to_bits(), s[1]), (0x7FFF_FFFF, 3.5));
+/// ```
 pub fn one_shot_sum<T: OneShotElement>(inputs: &[Vec<T>]) -> Result<Vec<T>, String> {
     let n = inputs.first().map_or(0, Vec::len);
     if inputs.iter().any(|v| v.len() != n) {
@@ -234,7 +238,9 @@ pub fn one_shot_sum<T: OneShotElement>(inputs: &[Vec<T>]) -> Result<Vec<T>, Stri
             for v in &inputs[1..] {
                 acc += canon(v, i);
             }
-            T::from_f32(acc)
+            // The GPU's f32 add returns its canonical NaN, whatever the
+            // operands' payloads (a call has at least two ranks: one add).
+            T::from_f32(if acc.is_nan() { CANONICAL_NAN } else { acc })
         })
         .collect())
 }

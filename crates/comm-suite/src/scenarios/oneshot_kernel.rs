@@ -13,7 +13,9 @@
 //! lane while one runs there (it records the concurrent-use status and
 //! writes nothing, and the running call gives up with it). All of it with
 //! the bf16 kernel; the f16 and f32 kernels (the same protocol, another
-//! arithmetic) run the sizes, calls and replays.
+//! arithmetic) run the sizes, calls and replays. Every type also sums the
+//! values at the edges of its arithmetic: infinities, NaNs (whose sum is
+//! the GPU's canonical NaN), overflow and subnormals.
 //!
 //! Invariants: every element of every rank's output equals the host
 //! reference (`kernels::one_shot_sum`) bit for bit; the inputs are random
@@ -66,6 +68,11 @@ fn kernel_of<T: OneShotElement + SuiteElem>(
     let sizes = SIZES.iter().copied().filter(|&n| n < whole).chain([whole]);
     for k in [2, 4, 8] {
         let mut ranks = LocalOneShot::<T>::new(c, k, SLOT_BYTES, Duration::from_secs(20))?;
+        ctx.step(format!("{k} ranks, {dtype}, edge values"));
+        let inputs = ranks.load((0..k).map(edge_values::<T>).collect())?;
+        ranks.launch_all(&f, EDGES.len(), LANE_EAGER)?;
+        ranks.wait()?;
+        ranks.check("edge values", &inputs)?;
         ctx.step(format!("{k} ranks, {dtype}, eager"));
         for n in sizes.clone() {
             for call in 0..3u64 {
@@ -131,6 +138,36 @@ fn kernel_of<T: OneShotElement + SuiteElem>(
         }
     }
     Ok(())
+}
+
+/// Values at the edges of the arithmetic, as (rank 0's, rank 1's) in f32
+/// (rounded to the type); ranks past 1 add +0.0.
+const EDGES: [(f32, f32); 11] = [
+    (f32::INFINITY, f32::NEG_INFINITY), // NaN
+    (f32::from_bits(0x7FC0_0001), 1.0), // NaN with a payload
+    (f32::from_bits(0xFFC1_0000), 2.0), // a negative NaN
+    (f32::INFINITY, 1.0),               // +inf
+    (f32::NEG_INFINITY, f32::NEG_INFINITY),
+    (65504.0, 65504.0),                // f16: overflows to inf
+    (1.0, 1.0 / 2048.0),               // f16: a tie, to even (1.0)
+    (1.0, 1.0 / 256.0),                // bf16: a tie, to even (1.0)
+    (6.103_515_6e-5, -5.960_464_5e-8), // f16: min normal - min subnormal
+    (1e-40, 1e-40),                    // f32 and bf16 subnormals
+    (-1.5, 1.5),                       // +0.0
+];
+
+/// Rank `r`'s input of the edge values in `T`.
+fn edge_values<T: OneShotElement>(r: usize) -> Vec<T> {
+    EDGES
+        .iter()
+        .map(|&(a, b)| {
+            T::from_f32(match r {
+                0 => a,
+                1 => b,
+                _ => 0.0,
+            })
+        })
+        .collect()
 }
 
 /// Rank 0 of `k` starts a call on `lane` that waits (no peer launches),

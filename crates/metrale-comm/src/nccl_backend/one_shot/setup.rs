@@ -170,10 +170,12 @@ fn probe_input<T: OneShotElement>(rank: usize, round: usize) -> Vec<T> {
 /// How one call of the probe went.
 enum Round {
     Ok,
-    /// A wrong result or a local error: the later calls still run (the
-    /// peers' calls need this rank's pushes).
+    /// A wrong result: this rank pushed, so the later calls still run (the
+    /// peers' calls need its pushes).
     Wrong(String),
-    /// The call did not complete or its kernel stopped: the probe ends.
+    /// The call did not run here (no input buffer, no launch), did not
+    /// complete, or its kernel stopped: the probe ends (a peer waiting for
+    /// this rank's push stops by its own bound).
     Stopped(String),
 }
 
@@ -413,7 +415,7 @@ impl Inner {
         let want = kernels::one_shot_sum(&inputs).unwrap_or_default();
         let buf = match DeviceBuffer::<T>::from_host(&self.ctx, &inputs[self.rank]) {
             Ok(b) => b,
-            Err(e) => return Ok(Round::Wrong(format!("probe input: {e}"))),
+            Err(e) => return Ok(Round::Stopped(format!("probe input: {e}"))),
         };
         let os = &slot.one_shot;
         let kernel = os.kernels.as_ref().and_then(|k| k.of(T::DATA_TYPE));
@@ -433,7 +435,7 @@ impl Inner {
             )
         };
         if let Err(e) = launched {
-            return Ok(Round::Wrong(format!("probe launch: {e}")));
+            return Ok(Round::Stopped(format!("probe launch: {e}")));
         }
         if slot.stream.wait_until_idle(budget()).is_err() {
             live.flags.store(0, 1);
