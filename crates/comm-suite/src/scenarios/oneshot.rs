@@ -266,12 +266,28 @@ pub fn streams(ctx: &RankCtx) -> anyhow::Result<()> {
     );
     let n = 3001;
     let input = |k: usize, salt: u64| random_vec::<bf16>(seed, k, salt, n);
+    fn typed_input<T: SuiteElem>(seed: u64, k: usize, salt: u64) -> Vec<T> {
+        random_vec(seed, k, salt, 2001)
+    }
     for round in 0..2u64 {
         let salt = |i: u64| round << 16 | i;
         let mut bufs: Vec<DeviceBuffer<bf16>> = (0..8)
             .map(|i| DeviceBuffer::from_host(b.context(), &input(ctx.rank, salt(i))))
             .collect::<Result<_, _>>()?;
-        // Graphs: bufs[5] and bufs[6] in one capture, bufs[7] in another.
+        // Other types on the same lanes, in between: f32 (eager, and in
+        // the second graph) and f16 (on a compute stream).
+        let mut fbufs: Vec<DeviceBuffer<f32>> = (0..2)
+            .map(|i| {
+                DeviceBuffer::from_host(
+                    b.context(),
+                    &typed_input::<f32>(seed, ctx.rank, salt(10 + i)),
+                )
+            })
+            .collect::<Result<_, _>>()?;
+        let mut hbuf =
+            DeviceBuffer::from_host(b.context(), &typed_input::<f16>(seed, ctx.rank, salt(12)))?;
+        // Graphs: bufs[5] and bufs[6] in one capture, bufs[7] and fbufs[1]
+        // in another.
         let (ga, gb) = {
             let (head, tail) = bufs.split_at_mut(7);
             s3.begin_capture()?;
@@ -281,7 +297,9 @@ pub fn streams(ctx: &RankCtx) -> anyhow::Result<()> {
             let ga = s3.end_capture()?;
             r?;
             s3.begin_capture()?;
-            let r = b.all_reduce_async(tail[0].view_mut(), s3.as_ref());
+            let r = b
+                .all_reduce_async(tail[0].view_mut(), s3.as_ref())
+                .and_then(|()| b.all_reduce_async(fbufs[1].view_mut(), s3.as_ref()));
             let gb = s3.end_capture()?;
             r?;
             (ga.instantiate()?, gb.instantiate()?)
@@ -294,7 +312,9 @@ pub fn streams(ctx: &RankCtx) -> anyhow::Result<()> {
         b.all_reduce_async(b1.view_mut(), s1.as_ref())?;
         ga.launch(&s3)?;
         b.all_reduce_async(b2.view_mut(), s2.as_ref())?;
+        b.all_reduce_async(hbuf.view_mut(), s2.as_ref())?;
         b.all_reduce(b3.view_mut())?;
+        b.all_reduce(fbufs[0].view_mut())?;
         gb.launch(&s3)?;
         b.all_reduce_async(b4.view_mut(), s1.as_ref())?;
         for s in [&s1, &s2, &s3] {
@@ -308,6 +328,18 @@ pub fn streams(ctx: &RankCtx) -> anyhow::Result<()> {
                 input(k, salt(i as u64))
             })?;
         }
+        for (i, buf) in fbufs.iter().enumerate() {
+            let got = buf.to_host_vec()?;
+            check_sum(ctx, &format!("round {round} f32 buffer {i}"), &got, |k| {
+                typed_input::<f32>(seed, k, salt(10 + i as u64))
+            })?;
+        }
+        check_sum(
+            ctx,
+            &format!("round {round} f16"),
+            &hbuf.to_host_vec()?,
+            |k| typed_input::<f16>(seed, k, salt(12)),
+        )?;
         drop((ga, gb));
         if round == 0 {
             ctx.step("healthy attempt_reconnect");
