@@ -369,8 +369,9 @@ impl Inner {
         deadline: Instant,
     ) -> Result<std::result::Result<(), String>> {
         // Every round runs even after a wrong result, so that the peers'
-        // rounds find this rank's pushes; a round that does not complete
-        // ends the probe (the abort word makes later rounds no-ops).
+        // rounds find this rank's pushes; a round that did not run here or
+        // did not complete ends the probe (the abort word makes later rounds
+        // no-ops).
         let mut first: std::result::Result<(), String> = Ok(());
         for (round, (lane, dtype)) in PROBE_ROUNDS.into_iter().enumerate() {
             let r = match dtype {
@@ -439,9 +440,12 @@ impl Inner {
         }
         if slot.stream.wait_until_idle(budget()).is_err() {
             live.flags.store(0, 1);
-            slot.stream
-                .wait_until_idle(self.config.collective_timeout)
-                .map_err(|e| CommError::setup("one-shot probe (after its abort)", e))?;
+            if let Err(e) = slot.stream.wait_until_idle(self.config.collective_timeout) {
+                // The kernel may still run on the buffer: leak it rather
+                // than free it under the kernel.
+                std::mem::forget(buf);
+                return Err(CommError::setup("one-shot probe (after its abort)", e));
+            }
             return Ok(Round::Stopped(
                 "the probe did not complete: a peer's pushes never landed".into(),
             ));
