@@ -6,9 +6,10 @@
 //! Invariants:
 //! - The choice, in order: the one-shot path (bf16, f16 or f32, on, a size
 //!   inside its policy, outside a group and registered or symmetric
-//!   memory; graph capture allowed), then the fast path, then NCCL's all-reduce. Every
-//!   input of the choice is the same on every rank (configuration, world
-//!   size, the set-up's agreed verdict), so every rank takes one path.
+//!   memory; graph capture allowed), then the fast path, then NCCL's
+//!   all-reduce. Every input of the choice is the same on every rank
+//!   (configuration, world size, the set-up's agreed verdict), so every
+//!   rank takes one path.
 //! - The fast path runs only for bf16 on 2 ranks with an add kernel, for a
 //!   size inside the policy, outside a group, registered or symmetric
 //!   memory, and graph capture.

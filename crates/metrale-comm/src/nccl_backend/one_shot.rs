@@ -19,9 +19,9 @@
 //! 4. prove it: run the kernels on both halves of both lanes with a known
 //!    pattern, every type's kernel at least once, and check every element
 //!    on the host (a real write to and read from every peer), then exchange
-//!    the verdicts. The path is on only if
-//!    every rank succeeded; otherwise it is off on every rank, and each rank
-//!    logs which rank failed and why.
+//!    the verdicts. The path is on only if every rank succeeded; otherwise
+//!    it is off on every rank, and each rank logs which rank failed and
+//!    why.
 //!
 //! Invariants:
 //! - Ordering of the buffers, reused across operations: eager one-shots use
