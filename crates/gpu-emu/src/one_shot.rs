@@ -14,8 +14,9 @@
 //!   `failed` word) is read and written in place;
 //! - the push of the (sentinel-replaced) input into slot `rank` of every
 //!   peer's buffer, then the wait for every peer's slot in its own buffer,
-//!   the f32 sum in rank order, the clear back to the sentinel and the
-//!   rounding to the type (nearest even; none for f32) into the data;
+//!   the f32 sum in rank order (a NaN sum is the GPU's canonical NaN), the
+//!   clear back to the sentinel and the rounding to the type (nearest
+//!   even; none for f32) into the data;
 //! - the lane's owner (a call that finds it held by another records the
 //!   concurrent-use status and touches nothing), the epoch that picks the
 //!   half, and the bounded spin: past the spin bound, or once the abort
