@@ -10,7 +10,7 @@
 //! check looks at every element.
 
 use half::bf16;
-use metrale_comm::kernels::OneShotElement;
+use metrale_comm::kernels::{OneShotElement, OneShotSum};
 use nccl_safe::Element;
 
 /// The byte every output buffer is filled with before a run (all-ones:
@@ -183,44 +183,17 @@ pub fn all_reduce_reference<T: SuiteElem>(
 /// the f32 sum in rank order rounded once to the type, a (+0.0, -0.0) pair
 /// of bf16 or f16 at an even index read as (+0.0, +0.0), an f32 -0.0 read
 /// as +0.0, a NaN sum the GPU's canonical NaN), one rank's input in memory
-/// at a time.
-pub fn one_shot_reference<T: OneShotElement + SuiteElem>(
+/// at a time ([`OneShotSum`]).
+pub fn one_shot_reference<T: OneShotElement>(
     world: usize,
     input: impl Fn(usize) -> Vec<T>,
 ) -> Vec<T> {
-    let canon = |v: &[T]| -> Vec<f32> {
-        let mut out: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
-        if T::DATA_TYPE.size() == 4 {
-            for (x, o) in v.iter().zip(&mut out) {
-                if x.bits() == 0x8000_0000 {
-                    *o = 0.0;
-                }
-            }
-        } else {
-            for (pair, o) in v.chunks(2).zip(out.chunks_mut(2)) {
-                if pair.len() == 2 && pair[0].bits() == 0 && pair[1].bits() == 0x8000 {
-                    o[1] = 0.0;
-                }
-            }
-        }
-        out
-    };
-    let mut acc = canon(&input(0));
-    for k in 1..world {
-        for (a, x) in acc.iter_mut().zip(canon(&input(k))) {
-            *a += x;
-        }
+    let mut sum = OneShotSum::new();
+    for k in 0..world {
+        sum.add(&input(k))
+            .expect("every rank's input has the same length");
     }
-    // The GPU's adds return the canonical NaN (f32 bits 0x7FFF_FFFF).
-    acc.into_iter()
-        .map(|a| {
-            T::from_f32(if a.is_nan() {
-                f32::from_bits(0x7FFF_FFFF)
-            } else {
-                a
-            })
-        })
-        .collect()
+    sum.finish()
 }
 
 /// Checks every element of `got` against `want`: bit-exact when `exact`,

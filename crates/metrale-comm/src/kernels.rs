@@ -66,16 +66,20 @@ pub const F16_ONE_SHOT_NAME: &str = "f16_one_shot_all_reduce";
 /// The f32 entry point's name in [`ONE_SHOT_PTX`].
 pub const F32_ONE_SHOT_NAME: &str = "f32_one_shot_all_reduce";
 
+/// The entry points of [`ONE_SHOT_PTX`], by the type each all-reduces.
+pub const ONE_SHOT_ENTRIES: [(nccl_safe::DataType, &str); 3] = [
+    (nccl_safe::DataType::Bfloat16, BF16_ONE_SHOT_NAME),
+    (nccl_safe::DataType::Float16, F16_ONE_SHOT_NAME),
+    (nccl_safe::DataType::Float32, F32_ONE_SHOT_NAME),
+];
+
 /// The entry point in [`ONE_SHOT_PTX`] that all-reduces `dtype`, `None`
 /// for a type the one-shot path does not serve (it takes NCCL's).
 pub fn one_shot_name(dtype: nccl_safe::DataType) -> Option<&'static str> {
-    use nccl_safe::DataType;
-    match dtype {
-        DataType::Bfloat16 => Some(BF16_ONE_SHOT_NAME),
-        DataType::Float16 => Some(F16_ONE_SHOT_NAME),
-        DataType::Float32 => Some(F32_ONE_SHOT_NAME),
-        _ => None,
-    }
+    ONE_SHOT_ENTRIES
+        .iter()
+        .find(|(t, _)| *t == dtype)
+        .map(|(_, name)| *name)
 }
 
 /// Threads per block for the one-shot kernels, also their most.
@@ -215,34 +219,68 @@ impl OneShotElement for f32 {
 /// assert_eq!((s[0].to_bits(), s[1]), (0x7FFF_FFFF, 3.5));
 /// ```
 pub fn one_shot_sum<T: OneShotElement>(inputs: &[Vec<T>]) -> Result<Vec<T>, String> {
-    let n = inputs.first().map_or(0, Vec::len);
-    if inputs.iter().any(|v| v.len() != n) {
-        return Err("inputs of unequal length".into());
+    let mut sum = OneShotSum::new();
+    for v in inputs {
+        sum.add(v)?;
     }
-    let per_word = 4 / T::DATA_TYPE.size();
-    let canon = |v: &[T], i: usize| -> f32 {
-        let first = i - i % per_word;
-        let word = (0..per_word).fold(0u32, |w, k| {
-            let bits = v.get(first + k).map_or(0, |x| x.to_bits32());
-            w | bits << (32 / per_word * k)
-        });
-        if word == ONE_SHOT_SENTINEL {
-            0.0
-        } else {
-            v[i].to_f32()
+    Ok(sum.finish())
+}
+
+/// [`one_shot_sum`] one rank's input at a time, in rank order, for inputs
+/// too large to hold all at once: the same arithmetic, in f32 until
+/// [`OneShotSum::finish`] rounds.
+#[derive(Debug, Clone, Default)]
+pub struct OneShotSum<T> {
+    acc: Vec<f32>,
+    ranks: usize,
+    _type: std::marker::PhantomData<T>,
+}
+
+impl<T: OneShotElement> OneShotSum<T> {
+    /// No rank added yet.
+    pub fn new() -> Self {
+        OneShotSum {
+            acc: Vec::new(),
+            ranks: 0,
+            _type: std::marker::PhantomData,
         }
-    };
-    Ok((0..n)
-        .map(|i| {
-            let mut acc = canon(&inputs[0], i);
-            for v in &inputs[1..] {
-                acc += canon(v, i);
+    }
+
+    /// Adds the next rank's input; one of another length than the first's
+    /// is an error.
+    pub fn add(&mut self, input: &[T]) -> Result<(), String> {
+        if self.ranks > 0 && input.len() != self.acc.len() {
+            return Err("inputs of unequal length".into());
+        }
+        if self.ranks == 0 {
+            // -0.0 is the identity of f32 addition (+0.0 is not: +0.0 +
+            // -0.0 is +0.0), so the first rank's values land unchanged.
+            self.acc = vec![-0.0; input.len()];
+        }
+        // Every 32-bit word holding the sentinel counts as +0.0 (a tail
+        // element of a 16-bit type pairs with +0.0, as the kernels pad).
+        let per_word = 4 / T::DATA_TYPE.size();
+        for (word, acc) in input.chunks(per_word).zip(self.acc.chunks_mut(per_word)) {
+            // One f32, or a 16-bit pair with the even element low.
+            let bits = word[0].to_bits32() | word.get(1).map_or(0, |x| x.to_bits32() << 16);
+            let arrived = bits != ONE_SHOT_SENTINEL;
+            for (a, x) in acc.iter_mut().zip(word) {
+                *a += if arrived { x.to_f32() } else { 0.0 };
             }
-            // The GPU's f32 add returns its canonical NaN, whatever the
-            // operands' payloads (a call has at least two ranks: one add).
-            T::from_f32(if acc.is_nan() { CANONICAL_NAN } else { acc })
-        })
-        .collect())
+        }
+        self.ranks += 1;
+        Ok(())
+    }
+
+    /// The sums, rounded once to the type. The GPU's f32 add returns its
+    /// canonical NaN, whatever the operands' payloads (a call has at least
+    /// two ranks: one add), so a NaN sum is that NaN.
+    pub fn finish(self) -> Vec<T> {
+        self.acc
+            .into_iter()
+            .map(|a| T::from_f32(if a.is_nan() { CANONICAL_NAN } else { a }))
+            .collect()
+    }
 }
 
 /// Launches the bf16 add kernel ([`BF16_ADD_NAME`]): `dst[i] += src[i]`
@@ -391,8 +429,8 @@ mod tests {
         use nccl_safe::DataType;
         let lines: Vec<&str> = ONE_SHOT_PTX.lines().map(str::trim).collect();
         assert!(lines.contains(&".version 7.0") && lines.contains(&".target sm_80"));
-        for dtype in [DataType::Bfloat16, DataType::Float16, DataType::Float32] {
-            let name = one_shot_name(dtype).unwrap();
+        for (dtype, name) in ONE_SHOT_ENTRIES {
+            assert_eq!(one_shot_name(dtype), Some(name));
             let entry = format!(".visible .entry {name}(");
             assert!(lines.contains(&entry.as_str()), "no entry {name}");
             let param = |ty: &str, i: usize| format!(".param .{ty} {name}_param_{i}");

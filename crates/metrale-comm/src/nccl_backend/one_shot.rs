@@ -122,32 +122,23 @@ struct Live {
     slot_bytes: usize,
 }
 
-/// The kernel of every type the path serves ([`kernels::one_shot_name`]),
+/// The kernel of every type the path serves ([`kernels::ONE_SHOT_ENTRIES`]),
 /// of one module.
-struct Kernels {
-    bf16: Function,
-    f16: Function,
-    f32: Function,
-}
+struct Kernels(Vec<(DataType, Function)>);
 
 impl Kernels {
     fn load(ctx: &Arc<Context>) -> nccl_safe::Result<Kernels> {
         let module = Module::load_ptx(ctx, kernels::ONE_SHOT_PTX)?;
-        Ok(Kernels {
-            bf16: module.function(kernels::BF16_ONE_SHOT_NAME)?,
-            f16: module.function(kernels::F16_ONE_SHOT_NAME)?,
-            f32: module.function(kernels::F32_ONE_SHOT_NAME)?,
-        })
+        kernels::ONE_SHOT_ENTRIES
+            .iter()
+            .map(|&(dtype, name)| Ok((dtype, module.function(name)?)))
+            .collect::<nccl_safe::Result<_>>()
+            .map(Kernels)
     }
 
     /// The kernel for `dtype`, `None` for a type the path does not serve.
     fn of(&self, dtype: DataType) -> Option<&Function> {
-        match dtype {
-            DataType::Bfloat16 => Some(&self.bf16),
-            DataType::Float16 => Some(&self.f16),
-            DataType::Float32 => Some(&self.f32),
-            _ => None,
-        }
+        self.0.iter().find(|(t, _)| *t == dtype).map(|(_, f)| f)
     }
 }
 
@@ -391,7 +382,7 @@ mod tests {
         };
         assert_eq!(slot_bytes_for(odd), 100_016);
         // Every probe call fits the smallest slot.
-        for dtype in [DataType::Bfloat16, DataType::Float16, DataType::Float32] {
+        for (dtype, _) in kernels::ONE_SHOT_ENTRIES {
             assert!(setup::probe_elems(dtype) * dtype.size() <= MIN_SLOT_BYTES);
         }
     }
