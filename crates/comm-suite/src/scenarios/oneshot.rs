@@ -247,6 +247,20 @@ fn one_ok(ctx: &RankCtx, b: &NcclBackend, seed: u64, salt: u64, n: usize) -> any
     })
 }
 
+/// The seed of scenario `name` and a backend with the default one-shot
+/// range and the short [`TIMEOUT`], after one checked all-reduce of 1000
+/// values.
+fn short_timeout_backend(ctx: &RankCtx, name: &str) -> anyhow::Result<(u64, NcclBackend)> {
+    let seed = ctx.shared_seed(name)?;
+    let cfg = ctx
+        .config()
+        .with_collective_timeout(TIMEOUT)
+        .with_one_shot(OneShotPolicy::DEFAULT);
+    let b = one_shot_backend(ctx, name, cfg)?;
+    one_ok(ctx, &b, seed, 1, 1000)?;
+    Ok((seed, b))
+}
+
 /// Eager work on three streams and two graphs replayed on a fourth, all in
 /// flight at once (no host wait in between), in the same order on every
 /// rank; a healthy reconnect; the same again. Then the path's choice, an
@@ -442,15 +456,9 @@ pub fn streams(ctx: &RankCtx) -> anyhow::Result<()> {
 /// their status. After each, every rank reconnects and the path works
 /// again; device memory stays flat.
 pub fn stuck_rank(ctx: &RankCtx) -> anyhow::Result<()> {
-    let seed = ctx.shared_seed("oneshot-stuck")?;
+    let (seed, b) = short_timeout_backend(ctx, "oneshot-stuck")?;
     let last = ctx.world_size - 1;
-    let cfg = ctx
-        .config()
-        .with_collective_timeout(TIMEOUT)
-        .with_one_shot(OneShotPolicy::DEFAULT);
-    let b = one_shot_backend(ctx, "oneshot-stuck", cfg)?;
     let n = 1000;
-    one_ok(ctx, &b, seed, 1, n)?;
     let compute = Stream::new(b.context())?;
     let mut buf = DeviceBuffer::<bf16>::from_host(b.context(), &random_vec(seed, ctx.rank, 2, n))?;
     let free_before = b.context().mem_info()?.0;
@@ -526,14 +534,8 @@ pub fn stuck_rank(ctx: &RankCtx) -> anyhow::Result<()> {
 /// use), never healthy; after a reconnect on every rank the path works
 /// again.
 pub fn concurrent_graphs(ctx: &RankCtx) -> anyhow::Result<()> {
-    let seed = ctx.shared_seed("oneshot-concurrent")?;
-    let cfg = ctx
-        .config()
-        .with_collective_timeout(TIMEOUT)
-        .with_one_shot(OneShotPolicy::DEFAULT);
-    let b = one_shot_backend(ctx, "oneshot-concurrent", cfg)?;
+    let (seed, b) = short_timeout_backend(ctx, "oneshot-concurrent")?;
     let n = 1000;
-    one_ok(ctx, &b, seed, 1, n)?;
     let (s1, s2) = (Stream::new(b.context())?, Stream::new(b.context())?);
     let mut bufs: Vec<DeviceBuffer<bf16>> = (0..2)
         .map(|i| DeviceBuffer::from_host(b.context(), &random_vec(seed, ctx.rank, 2 + i, n)))
