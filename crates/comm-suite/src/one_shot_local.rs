@@ -8,7 +8,10 @@
 //! dropping it first sets every rank's abort word and waits (bounded) for
 //! every stream, so no kernel runs on freed memory;
 //! every launch is checked against the kernel's launch contract (`n` within
-//! one slot, lane 0 or 1) before it is made; every wait is bounded.
+//! one slot, lane 0 or 1) before it is made; every wait is bounded. A
+//! call's values start [`LocalOneShot::offset`] elements into each data
+//! buffer, between [`GUARD`] guard elements on each side that the kernel
+//! must not write (the check reads them too).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -24,15 +27,22 @@ const WAIT: Duration = Duration::from_secs(60);
 pub const LANE_GRAPH: u32 = 1;
 /// The lane of eager calls.
 pub const LANE_EAGER: u32 = 0;
+/// Elements of room on each side of a call's values in a data buffer: the
+/// most [`LocalOneShot::set_offset`] takes is `GUARD - 1`.
+pub const GUARD: usize = 8;
+/// The value every guard element holds: no sum of the suite's inputs
+/// (at most 8 ranks' values below 8 in magnitude) comes near it.
+const GUARD_VALUE: f32 = -1234.5;
 
 /// `k` ranks of the one-shot kernel of `T` simulated on one device: each
 /// has its own receive buffer, control block, pinned flags (abort, status),
-/// data buffer of one slot and stream, and every control block names the
-/// others' buffers by address; one side stream runs a second call of any
-/// rank beside its first.
+/// data buffer of one slot (and guards) and stream, and every control block
+/// names the others' buffers by address; one side stream runs a second call
+/// of any rank beside its first.
 pub struct LocalOneShot<T: OneShotElement> {
     k: usize,
     slot_bytes: usize,
+    offset: usize,
     _recv: Vec<DeviceBuffer<u32>>,
     ctrl: Vec<DeviceBuffer<u64>>,
     flags: Vec<HostWords>,
@@ -95,13 +105,14 @@ impl<T: OneShotElement + SuiteElem> LocalOneShot<T> {
             flags.push(f);
             data.push(DeviceBuffer::<T>::alloc(
                 c,
-                slot_bytes / T::DATA_TYPE.size(),
+                slot_bytes / T::DATA_TYPE.size() + 2 * GUARD,
             )?);
             streams.push(Stream::new(c)?);
         }
         Ok(LocalOneShot {
             k,
             slot_bytes,
+            offset: 0,
             _recv: recv,
             ctrl,
             flags,
@@ -119,6 +130,25 @@ impl<T: OneShotElement + SuiteElem> LocalOneShot<T> {
     /// The largest call, in elements.
     pub fn max_elems(&self) -> usize {
         self.slot_bytes / T::DATA_TYPE.size()
+    }
+
+    /// Where a call's values start in every data buffer, in elements: 0
+    /// (16-byte aligned) unless [`LocalOneShot::set_offset`] said otherwise.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// Makes later loads, launches and checks put a call's values
+    /// `offset` elements (less than [`GUARD`]) into every data buffer: an
+    /// offset that is not a multiple of 16 bytes is a misaligned call.
+    pub fn set_offset(&mut self, offset: usize) -> anyhow::Result<()> {
+        ensure!(offset < GUARD, "offset {offset} of at most {}", GUARD - 1);
+        self.offset = offset;
+        Ok(())
+    }
+
+    fn guard() -> T {
+        T::from_f32(GUARD_VALUE)
     }
 
     /// Rank `r`'s stream.
@@ -152,7 +182,8 @@ impl<T: OneShotElement + SuiteElem> LocalOneShot<T> {
     }
 
     /// Copies `inputs[r]` (one per rank, at most [`LocalOneShot::max_elems`]
-    /// each) into rank `r`'s data buffer; returns them.
+    /// each) into rank `r`'s data buffer at the offset, between guard
+    /// elements; returns them.
     pub fn load(&mut self, inputs: Vec<Vec<T>>) -> anyhow::Result<Vec<Vec<T>>> {
         ensure!(
             inputs.len() == self.k,
@@ -160,8 +191,13 @@ impl<T: OneShotElement + SuiteElem> LocalOneShot<T> {
             inputs.len(),
             self.k
         );
+        let (max, offset) = (self.max_elems(), self.offset);
         for (d, v) in self.data.iter_mut().zip(&inputs) {
-            d.copy_prefix_from_host(v)?;
+            ensure!(v.len() <= max, "{} values in one slot", v.len());
+            let mut host = vec![Self::guard(); offset];
+            host.extend_from_slice(v);
+            host.extend(std::iter::repeat_n(Self::guard(), GUARD));
+            d.copy_prefix_from_host(&host)?;
         }
         Ok(inputs)
     }
@@ -194,14 +230,15 @@ impl<T: OneShotElement + SuiteElem> LocalOneShot<T> {
         // SAFETY: `f` is the one-shot entry point of `T` in this context
         // (this function's contract); `ctrl` is this rank's control block, laid
         // out by `one_shot_ctrl`, naming live receive buffers of this
-        // context; `data` holds at least `n` values; all stay allocated
+        // context; `data` from the offset holds at least `n` values (one
+        // slot's worth and a guard after it); all stay allocated
         // until `self` is dropped, after every stream (the side stream
         // too) is idle.
         unsafe {
             kernels::launch_one_shot(
                 f,
                 self.ctrl[r].device_ptr(),
-                self.data[r].device_ptr(),
+                self.data[r].device_ptr() + (self.offset * T::DATA_TYPE.size()) as u64,
                 (n, T::DATA_TYPE),
                 lane,
                 stream.raw(),
@@ -232,9 +269,11 @@ impl<T: OneShotElement + SuiteElem> LocalOneShot<T> {
         Ok(())
     }
 
-    /// Rank `r`'s data buffer, on the host.
+    /// Rank `r`'s data buffer from the offset on, on the host.
     pub fn output(&self, r: usize) -> anyhow::Result<Vec<T>> {
-        Ok(self.data[r].to_host_vec()?)
+        let mut v = self.data[r].to_host_vec()?;
+        v.drain(..self.offset);
+        Ok(v)
     }
 
     /// Checks every rank's first `n` values against the reference of
@@ -242,8 +281,32 @@ impl<T: OneShotElement + SuiteElem> LocalOneShot<T> {
     pub fn check(&self, what: &str, inputs: &[Vec<T>]) -> anyhow::Result<()> {
         let n = inputs[0].len();
         let want = kernels::one_shot_sum(inputs).map_err(anyhow::Error::msg)?;
+        let guard = Self::guard().to_bits32();
         for r in 0..self.k {
-            let got = self.data[r].to_host_vec()?;
+            let all = self.data[r].to_host_vec()?;
+            let (before, got) = all.split_at(self.offset);
+            // The guards before the values (at -offset..0 from the call's
+            // first element) and after them (n..n + GUARD).
+            let written = before
+                .iter()
+                .enumerate()
+                .map(|(i, x)| (i as isize - before.len() as isize, x))
+                .chain(
+                    got[n..n + GUARD]
+                        .iter()
+                        .enumerate()
+                        .map(|(i, x)| ((n + i) as isize, x)),
+                )
+                .find(|(_, x)| x.to_bits32() != guard);
+            if let Some((at, x)) = written {
+                bail!(
+                    "{what}, {} {} ranks, rank {r}: the guard at element {at} of a call of {n} \
+                     values at offset {} was written ({x:?})",
+                    self.k,
+                    T::DATA_TYPE,
+                    self.offset
+                );
+            }
             if let Some(i) = (0..n).find(|&i| got[i].to_bits32() != want[i].to_bits32()) {
                 bail!(
                     "{what}, {} {} ranks, rank {r}: element {i} of {n} is {:?} (bits {:#x}), want {:?} ({:#x})",

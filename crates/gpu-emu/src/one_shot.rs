@@ -133,6 +133,9 @@ const OFF_FAILED: u64 = 128;
 const HOST_POLL_AFTER: Duration = Duration::from_micros(100);
 const LANE_BYTES: u64 = 16;
 const MAX_RANKS: usize = 8;
+/// The largest slot a launch may name (`OS_MAX_SLOT`: the kernel's offsets
+/// in a receive buffer are 32-bit).
+const MAX_SLOT: u64 = 1 << 26;
 
 const STATUS_TIMEOUT: u32 = 1;
 const STATUS_ABORTED: u32 = 2;
@@ -330,6 +333,7 @@ fn run(e: Elem, (ctrl, data, n, lane): (u64, u64, usize, u32), tag: u64) -> Opti
         || c.rank >= c.world
         || n == 0
         || (e.size() * n) as u64 > slot
+        || slot > MAX_SLOT
         || !slot.is_multiple_of(16)
     {
         return fail(STATUS_BAD_LAUNCH);

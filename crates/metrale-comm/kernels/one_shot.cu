@@ -22,13 +22,18 @@
 //        that also returns the epoch; the block goes on if the word held no
 //        tag or exactly this launch's tag (another of its blocks came
 //        first), and otherwise records the concurrent-use status;
-//     1. pushes its input, 16 bytes at a time, into slot `rank` of that half
-//        of every peer's buffer, after replacing the word 0x80000000 by 0
-//        (so its data never looks like the sentinel);
+//     1. pushes its input, 16 bytes at a time (a thread loads two of its
+//        units before it stores either), into slot `rank` of that half of
+//        every peer's buffer, after replacing the word 0x80000000 by 0 (so
+//        its data never looks like the sentinel);
 //     2. for each 16 bytes, in rank order 0..world-1, takes its own
 //        (replaced) input or spins on the peer's slot in its own buffer until
 //        no word is the sentinel, writes the sentinel back (the slot is clean
-//        for the call that uses this half next), and adds in f32;
+//        for the call that uses this half next), and adds in f32; a thread
+//        issues its first loads of a unit from every peer (in worlds of
+//        more than 4, from 4 peers at a time) before it waits for any, so
+//        it waits about one memory latency per unit, not one per unit and
+//        peer;
 //     3. rounds the f32 sums to the type (nearest even) into the data, in
 //        place (f32: no rounding);
 //     4. frees the lane at the next epoch with one store of the claim word,
@@ -89,10 +94,17 @@
 #include <cuda_fp16.h>
 
 #define OS_BLOCK 512
+// Blocks of OS_BLOCK threads an SM must hold at once: at most 64 registers
+// a thread, so a call's blocks leave room for other kernels' beside them,
+// and 8 ranks' calls simulated on one GPU (tests, benches) all fit at once.
+#define OS_MIN_BLOCKS 2
 #define OS_MAX_RANKS 8
 #define OS_SENTINEL 0x80000000u
 #define OS_POLL_EVERY 256
 #define OS_HOST_POLL_AFTER_NS 100000ull
+// The largest slot a launch may name: 2 lanes x 2 halves x 8 slots of it
+// span at most 2^31 bytes, so offsets in a receive buffer fit 32 bits.
+#define OS_MAX_SLOT (1u << 26)
 
 #define OS_STATUS_TIMEOUT 1u
 #define OS_STATUS_ABORTED 2u
@@ -238,16 +250,14 @@ struct OsF32 {
     static constexpr int PER = 4;
 };
 
-// Elements PER u .. PER u + PER - 1 of `data` as four words; elements at or
-// past `n` read as +0.0.
+// Elements PER u .. PER u + PER - 1 of `data` as four words, one at a
+// time (a misaligned `data`, or the call's last unit); elements at or past
+// `n` read as +0.0. Out of line: the common case is one 16-byte load.
 template <class E>
-__device__ __forceinline__ uint4 os_load(const typename E::Bits* data, unsigned long long n,
-                                         unsigned long long u, bool aligned)
+__device__ __forceinline__ uint4 os_load_each(const typename E::Bits* data, unsigned int n,
+                                           unsigned int u)
 {
-    const unsigned long long i = u * E::PER;
-    if (aligned && i + E::PER <= n) {
-        return *reinterpret_cast<const uint4*>(data + i);
-    }
+    const unsigned int i = u * E::PER;
     unsigned int e[E::PER];
 #pragma unroll
     for (int k = 0; k < E::PER; ++k) {
@@ -261,17 +271,25 @@ __device__ __forceinline__ uint4 os_load(const typename E::Bits* data, unsigned 
     }
 }
 
-// Writes the elements of `v` that lie below `n` to elements PER u ..
-// PER u + PER - 1.
+// Elements PER u .. PER u + PER - 1 of `data` as four words; elements at or
+// past `n` read as +0.0.
 template <class E>
-__device__ __forceinline__ void os_store(typename E::Bits* data, unsigned long long n,
-                                         unsigned long long u, bool aligned, uint4 v)
+__device__ __forceinline__ uint4 os_load(const typename E::Bits* data, unsigned int n,
+                                         unsigned int u, bool aligned)
 {
-    const unsigned long long i = u * E::PER;
-    if (aligned && i + E::PER <= n) {
-        *reinterpret_cast<uint4*>(data + i) = v;
-        return;
+    if (aligned && (u + 1u) * E::PER <= n) {
+        return *reinterpret_cast<const uint4*>(data + u * E::PER);
     }
+    return os_load_each<E>(data, n, u);
+}
+
+// Writes the elements of `v` that lie below `n` to elements PER u ..
+// PER u + PER - 1, one at a time. Out of line, as `os_load_each`.
+template <class E>
+__device__ __forceinline__ void os_store_each(typename E::Bits* data, unsigned int n,
+                                           unsigned int u, uint4 v)
+{
+    const unsigned int i = u * E::PER;
     const unsigned int w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int k = 0; k < E::PER; ++k) {
@@ -285,35 +303,39 @@ __device__ __forceinline__ void os_store(typename E::Bits* data, unsigned long l
     }
 }
 
-// 16 bytes of 16-bit values into 8 sums.
+// Writes the elements of `v` that lie below `n` to elements PER u ..
+// PER u + PER - 1.
 template <class E>
-__device__ __forceinline__ void os_acc(float* acc, uint4 v, bool first)
+__device__ __forceinline__ void os_store(typename E::Bits* data, unsigned int n,
+                                         unsigned int u, bool aligned, uint4 v)
+{
+    if (aligned && (u + 1u) * E::PER <= n) {
+        *reinterpret_cast<uint4*>(data + u * E::PER) = v;
+        return;
+    }
+    os_store_each<E>(data, n, u, v);
+}
+
+// Adds 16 bytes of 16-bit values into 8 sums.
+template <class E>
+__device__ __forceinline__ void os_acc(float* acc, uint4 v)
 {
     const unsigned int w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-        if (first) {
-            acc[2 * k] = E::lo(w[k]);
-            acc[2 * k + 1] = E::hi(w[k]);
-        } else {
-            acc[2 * k] += E::lo(w[k]);
-            acc[2 * k + 1] += E::hi(w[k]);
-        }
+        acc[2 * k] += E::lo(w[k]);
+        acc[2 * k + 1] += E::hi(w[k]);
     }
 }
 
-// 16 bytes of f32 values into 4 sums.
+// Adds 16 bytes of f32 values into 4 sums.
 template <>
-__device__ __forceinline__ void os_acc<OsF32>(float* acc, uint4 v, bool first)
+__device__ __forceinline__ void os_acc<OsF32>(float* acc, uint4 v)
 {
     const unsigned int w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-        if (first) {
-            acc[k] = __uint_as_float(w[k]);
-        } else {
-            acc[k] += __uint_as_float(w[k]);
-        }
+        acc[k] += __uint_as_float(w[k]);
     }
 }
 
@@ -335,6 +357,159 @@ __device__ __forceinline__ uint4 os_pack<OsF32>(const float* acc)
                       __float_as_uint(acc[3]));
 }
 
+// What a thread's part of a call needs, read once. Counts and byte offsets
+// within the receive buffer are 32-bit: a launch with a slot of more than
+// OS_MAX_SLOT bytes is refused.
+struct OsCall {
+    unsigned int n;
+    unsigned int cnt;  // this thread's units: tid, tid + stride, ...
+    unsigned int tid;
+    unsigned int stride;
+    unsigned int slot;
+    unsigned long long mine;  // this rank's receive buffer, the call's half
+    OsCtrl* ctrl;
+    const unsigned long long* t0;  // the block's start, in shared memory
+    unsigned int world;
+    unsigned int rank;
+    bool aligned;
+};
+
+// A unit loaded from a peer's slot, and whether the wait for it ended
+// with the data (false: a status is recorded, the call stops).
+struct OsGot {
+    uint4 v;
+    bool ok;
+};
+
+// Spins on `src` (16 bytes of a peer's slot, `v` its last load) until no
+// word is the sentinel, within the call's bounds (`t0`: the block's start).
+// Out of line, with its arguments by value: a unit that has arrived by its
+// first load never comes here, and the bounds are read only here.
+__device__ __forceinline__ OsGot os_wait(unsigned long long src, uint4 v, OsCtrl* ctrl,
+                                      unsigned long long t0)
+{
+    unsigned int* failed = &ctrl->failed;
+    volatile unsigned int* flags = reinterpret_cast<volatile unsigned int*>(ctrl->flags);
+    const unsigned long long timeout = ctrl->timeout_ns;
+    unsigned int spins = 0;
+    while (!os_arrived(v)) {
+        if (++spins % OS_POLL_EVERY == 0u) {
+            const unsigned long long waited = os_clock() - t0;
+            if (os_ld32(failed) != 0u) {
+                return OsGot{v, false};
+            }
+            if (waited > OS_HOST_POLL_AFTER_NS && flags[0] != 0u) {
+                os_fail(failed, flags, OS_STATUS_ABORTED);
+                return OsGot{v, false};
+            }
+            if (waited > timeout) {
+                os_fail(failed, flags, OS_STATUS_TIMEOUT);
+                return OsGot{v, false};
+            }
+        }
+        v = os_ld(src);
+    }
+    return OsGot{v, true};
+}
+
+// The first loads of unit `u` from the q-th peers (rank order, without
+// this rank) for q in [g, g + G), issued together; +0 words for q past the
+// last peer.
+template <int G>
+__device__ __forceinline__ void os_issue(const OsCall& c, unsigned int u, int g, uint4 (&v)[G])
+{
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+        const unsigned int q = (unsigned int)(g + j);
+        if (q + 1u < c.world) {
+            const unsigned int p = q < c.rank ? q : q + 1u;
+            v[j] = os_ld(c.mine + (p * c.slot + u * 16u));
+        } else {
+            v[j] = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+}
+
+// Unit `u` of this rank (`o`, already loaded and canonical) and of every
+// peer, for worlds of at most MP + 1 ranks, in groups of G peers (`v`: the
+// first group's loads, already issued; each later group's loads go out
+// together once the group before it is added): waits for each, clears its
+// slot, adds all in rank order, and writes the rounded sum into `data`.
+// False if the call stopped.
+template <class E, int MP, int G>
+__device__ __forceinline__ bool os_finish(const OsCall& c, typename E::Bits* data, unsigned int u,
+                                          uint4 o, const uint4 (&v)[G])
+{
+    const uint4 clear = make_uint4(OS_SENTINEL, OS_SENTINEL, OS_SENTINEL, OS_SENTINEL);
+    constexpr int QMAX = (MP + G - 1) / G * G;
+    // -0.0 + x is x for every x, so the sums start there.
+    float acc[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        acc[k] = -0.0f;
+    }
+#pragma unroll
+    for (int g = 0; g < QMAX; g += G) {
+        uint4 w[G];
+        if (g == 0) {
+#pragma unroll
+            for (int j = 0; j < G; ++j) {
+                w[j] = v[j];
+            }
+        } else {
+            os_issue<G>(c, u, g, w);
+        }
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+            const unsigned int q = (unsigned int)(g + j);
+            if (q == c.rank) {
+                os_acc<E>(acc, o);
+            }
+            if (q + 1u < c.world) {
+                const unsigned int p = q < c.rank ? q : q + 1u;
+                const unsigned long long src = c.mine + (p * c.slot + u * 16u);
+                uint4 x = w[j];
+                if (!os_arrived(x)) {
+                    const OsGot got = os_wait(src, x, c.ctrl, *c.t0);
+                    if (!got.ok) {
+                        return false;
+                    }
+                    x = got.v;
+                }
+                os_st(src, clear);
+                os_acc<E>(acc, x);
+            }
+        }
+    }
+    if (c.rank >= (unsigned int)QMAX) {
+        os_acc<E>(acc, o);
+    }
+    os_store<E>(data, c.n, u, c.aligned, os_pack<E>(acc));
+    return true;
+}
+
+// Phases 2-3 for one thread, for worlds of at most MP + 1 ranks, one unit
+// at a time: the unit's loads from G peers at a time go out together
+// before any is waited for, so a thread waits about one memory latency per
+// group of peers rather than one per peer. False if the call stopped.
+template <class E, int MP, int G>
+__device__ __forceinline__ bool os_reduce(const OsCall& c, typename E::Bits* data, uint4 first)
+{
+    for (unsigned int i = 0; i < c.cnt; ++i) {
+        const unsigned int u = c.tid + i * c.stride;
+        uint4 v[G];
+        os_issue<G>(c, u, 0, v);
+        uint4 o = first;
+        if (i != 0u) {
+            o = os_canon(os_load<E>(data, c.n, u, c.aligned));
+        }
+        if (!os_finish<E, MP, G>(c, data, u, o, v)) {
+            return false;
+        }
+    }
+    return true;
+}
+
 // The kernel of every type: `data` holds `n` values of E.
 template <class E>
 __device__ __forceinline__ void os_one_shot(OsCtrl* ctrl, typename E::Bits* data,
@@ -343,8 +518,11 @@ __device__ __forceinline__ void os_one_shot(OsCtrl* ctrl, typename E::Bits* data
     __shared__ unsigned int s_epoch;
     __shared__ unsigned int s_go;
     __shared__ unsigned long long s_peer[OS_MAX_RANKS];
+    __shared__ unsigned long long s_t0;
 
-    const unsigned long long t0 = os_clock();
+    OsCall c;
+    c.ctrl = ctrl;
+    c.t0 = &s_t0;
     // Everything the call's start reads is loaded at once, with no load
     // depending on another: `failed` and the lane's claim word (thread 0),
     // the control block's fixed words and every thread's first input unit
@@ -360,23 +538,28 @@ __device__ __forceinline__ void os_one_shot(OsCtrl* ctrl, typename E::Bits* data
     unsigned int f = 0u;
     unsigned long long w = 0ull;
     if (threadIdx.x == 0) {
+        s_t0 = os_clock();
         f = os_ld32(failed);
         w = atomicOr(&l->claim, tag << 8);
     }
     volatile unsigned int* flags = reinterpret_cast<volatile unsigned int*>(ctrl->flags);
-    const unsigned int world = ctrl->world;
-    const unsigned int rank = ctrl->rank;
+    // A count no slot can hold loads nothing (the launch is refused below).
+    c.n = n <= OS_MAX_SLOT ? (unsigned int)n : 0u;
+    c.world = ctrl->world;
+    c.rank = ctrl->rank;
     const unsigned long long slot = ctrl->slot_bytes;
-    const unsigned long long timeout = ctrl->timeout_ns;
-    const unsigned long long units = (n + E::PER - 1ull) / E::PER;
-    const bool aligned = (reinterpret_cast<unsigned long long>(data) & 15ull) == 0ull;
-    const unsigned long long tid = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    const bool bad = lane > 1u || world < 2u || world > OS_MAX_RANKS || rank >= world ||
-                     n == 0ull || n * sizeof(typename E::Bits) > slot || (slot & 15ull) != 0ull;
+    c.slot = (unsigned int)slot;
+    const unsigned int units = (c.n + E::PER - 1u) / E::PER;
+    c.aligned = (reinterpret_cast<unsigned long long>(data) & 15ull) == 0ull;
+    c.tid = blockIdx.x * blockDim.x + threadIdx.x;
+    c.stride = gridDim.x * blockDim.x;
+    c.cnt = c.tid < units ? (units - c.tid + c.stride - 1u) / c.stride : 0u;
+    const bool bad = lane > 1u || c.world < 2u || c.world > OS_MAX_RANKS || c.rank >= c.world ||
+                     n == 0ull || n * sizeof(typename E::Bits) > slot || slot > OS_MAX_SLOT ||
+                     (slot & 15ull) != 0ull;
     uint4 first = make_uint4(0u, 0u, 0u, 0u);
-    if (tid < units) {
-        first = os_canon(os_load<E>(data, n, tid, aligned));
+    if (c.cnt != 0u) {
+        first = os_canon(os_load<E>(data, c.n, c.tid, c.aligned));
     }
 
     if (threadIdx.x == 0) {
@@ -400,68 +583,51 @@ __device__ __forceinline__ void os_one_shot(OsCtrl* ctrl, typename E::Bits* data
         return;
     }
 
-    const unsigned long long half = s_epoch & 1u;
-    const unsigned long long region = (lane * 2ull + half) * world * slot;
+    const unsigned int half = s_epoch & 1u;
+    const unsigned int region = (lane * 2u + half) * c.world * c.slot;
+    c.mine = s_peer[c.rank] + region;
 
-    // 1. Push this rank's contribution into slot `rank` of every peer.
-    for (unsigned long long u = tid; u < units; u += stride) {
-        const uint4 v = u == tid ? first : os_canon(os_load<E>(data, n, u, aligned));
-        for (unsigned int p = 0; p < world; ++p) {
-            if (p != rank) {
-                os_st(s_peer[p] + region + rank * slot + u * 16ull, v);
+    // 1. Push this rank's contribution into slot `rank` of every peer, two
+    // units' loads issued before their stores.
+    const unsigned int out = region + c.rank * c.slot;
+    for (unsigned int i = 0; i < c.cnt; i += 2u) {
+        const unsigned int u0 = c.tid + i * c.stride;
+        const unsigned int u1 = u0 + c.stride;
+        const bool two = i + 1u < c.cnt;
+        uint4 a = first;
+        if (i != 0u) {
+            a = os_canon(os_load<E>(data, c.n, u0, c.aligned));
+        }
+        uint4 b = make_uint4(0u, 0u, 0u, 0u);
+        if (two) {
+            b = os_canon(os_load<E>(data, c.n, u1, c.aligned));
+        }
+        for (unsigned int p = 0; p < c.world; ++p) {
+            if (p != c.rank) {
+                os_st(s_peer[p] + (out + u0 * 16u), a);
+                if (two) {
+                    os_st(s_peer[p] + (out + u1 * 16u), b);
+                }
             }
         }
     }
 
-    // 2-3. Wait for every contribution, add in rank order, clear, round.
-    const uint4 clear = make_uint4(OS_SENTINEL, OS_SENTINEL, OS_SENTINEL, OS_SENTINEL);
-    const unsigned long long mine = s_peer[rank] + region;
-    bool bail = false;
-    unsigned int spins = 0;
-    for (unsigned long long u = tid; u < units && !bail; u += stride) {
-        float acc[8];
-        for (unsigned int p = 0; p < world && !bail; ++p) {
-            uint4 v;
-            if (p == rank) {
-                v = u == tid ? first : os_canon(os_load<E>(data, n, u, aligned));
-            } else {
-                const unsigned long long src = mine + p * slot + u * 16ull;
-                v = os_ld(src);
-                while (!os_arrived(v)) {
-                    if (++spins % OS_POLL_EVERY == 0u) {
-                        const unsigned long long waited = os_clock() - t0;
-                        if (os_ld32(failed) != 0u) {
-                            bail = true;
-                        } else if (waited > OS_HOST_POLL_AFTER_NS && flags[0] != 0u) {
-                            os_fail(failed, flags, OS_STATUS_ABORTED);
-                            bail = true;
-                        } else if (waited > timeout) {
-                            os_fail(failed, flags, OS_STATUS_TIMEOUT);
-                            bail = true;
-                        }
-                        if (bail) {
-                            break;
-                        }
-                    }
-                    v = os_ld(src);
-                }
-                if (bail) {
-                    break;
-                }
-                os_st(src, clear);
-            }
-            os_acc<E>(acc, v, p == 0u);
-        }
-        if (!bail) {
-            os_store<E>(data, n, u, aligned, os_pack<E>(acc));
-        }
+    // 2-3. Wait for every contribution, add in rank order, clear, round:
+    // the world's size bounds how many peers' loads go out together.
+    bool ok;
+    if (c.world == 2u) {
+        ok = os_reduce<E, 1, 1>(c, data, first);
+    } else if (c.world <= 4u) {
+        ok = os_reduce<E, 3, 3>(c, data, first);
+    } else {
+        ok = os_reduce<E, 7, 4>(c, data, first);
     }
 
     // 4. The last block to arrive frees the lane at the next epoch, in one
     // store; a one-block call needs no count. No fence: the next call on
     // the lane is ordered after this one by its stream (or graph), and a
     // kernel's writes are performed before the work after it starts.
-    if (__syncthreads_or(bail ? 1 : 0)) {
+    if (__syncthreads_or(ok ? 0 : 1)) {
         return;
     }
     if (threadIdx.x == 0) {
@@ -478,21 +644,21 @@ __device__ __forceinline__ void os_one_shot(OsCtrl* ctrl, typename E::Bits* data
     }
 }
 
-extern "C" __global__ void __launch_bounds__(OS_BLOCK)
+extern "C" __global__ void __launch_bounds__(OS_BLOCK, OS_MIN_BLOCKS)
 bf16_one_shot_all_reduce(OsCtrl* ctrl, unsigned short* data, unsigned long long n,
                          unsigned int lane)
 {
     os_one_shot<OsBf16>(ctrl, data, n, lane);
 }
 
-extern "C" __global__ void __launch_bounds__(OS_BLOCK)
+extern "C" __global__ void __launch_bounds__(OS_BLOCK, OS_MIN_BLOCKS)
 f16_one_shot_all_reduce(OsCtrl* ctrl, unsigned short* data, unsigned long long n,
                         unsigned int lane)
 {
     os_one_shot<OsF16>(ctrl, data, n, lane);
 }
 
-extern "C" __global__ void __launch_bounds__(OS_BLOCK)
+extern "C" __global__ void __launch_bounds__(OS_BLOCK, OS_MIN_BLOCKS)
 f32_one_shot_all_reduce(OsCtrl* ctrl, unsigned int* data, unsigned long long n,
                         unsigned int lane)
 {

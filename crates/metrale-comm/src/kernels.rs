@@ -54,7 +54,8 @@ pub const BF16_ADD_MAX_GRID: u32 = 132 * 8;
 /// Parameters of every entry, in order: `ctrl` (device address of the
 /// rank's 136-byte control block), `data` (device address of `n` values of
 /// the entry's type, reduced in place), `n` (`u64`, `1..=slot_bytes /
-/// size`), `lane` (`u32`: 0 eager, 1 captured into a graph).
+/// size`), `lane` (`u32`: 0 eager, 1 captured into a graph). A control
+/// block's slot is at most [`ONE_SHOT_MAX_SLOT_BYTES`].
 pub const ONE_SHOT_PTX: &str = include_str!("../kernels/one_shot.ptx");
 
 /// The bf16 entry point's name in [`ONE_SHOT_PTX`].
@@ -91,6 +92,11 @@ pub const ONE_SHOT_BLOCK: u32 = 512;
 /// are 8 of an H200's 132 SMs' worth of threads.
 pub const ONE_SHOT_MAX_GRID: u32 = 32;
 
+/// The largest slot a one-shot control block may name (`OS_MAX_SLOT`): the
+/// kernels' offsets in a receive buffer are 32-bit, and refuse a launch on
+/// a larger one with the bad-launch status.
+pub const ONE_SHOT_MAX_SLOT_BYTES: usize = 1 << 26;
+
 /// The word every 32-bit word of a one-shot receive buffer holds outside a
 /// call (the bf16 or f16 pair (+0.0, -0.0), the f32 -0.0): "not arrived".
 pub const ONE_SHOT_SENTINEL: u32 = 0x8000_0000;
@@ -110,7 +116,8 @@ pub fn one_shot_recv_words(world: usize, slot_bytes: usize) -> usize {
 /// rank `p`'s receive buffer as mapped on this rank, `flags` the device
 /// address of two host-pinned `u32` words (abort, status), `timeout_ns` how
 /// long a thread may spin; no status recorded yet. `None` for a world
-/// outside 2 to 8.
+/// outside 2 to 8, or a slot that is not a multiple of 16 bytes or is
+/// larger than [`ONE_SHOT_MAX_SLOT_BYTES`].
 pub fn one_shot_ctrl(
     peers: &[u64],
     flags: u64,
@@ -118,7 +125,11 @@ pub fn one_shot_ctrl(
     rank: usize,
     slot_bytes: usize,
 ) -> Option<[u64; ONE_SHOT_CTRL_WORDS]> {
-    if !(2..=8).contains(&peers.len()) || rank >= peers.len() {
+    if !(2..=8).contains(&peers.len())
+        || rank >= peers.len()
+        || !slot_bytes.is_multiple_of(16)
+        || slot_bytes > ONE_SHOT_MAX_SLOT_BYTES
+    {
         return None;
     }
     let mut ctrl = [0u64; ONE_SHOT_CTRL_WORDS];
@@ -444,11 +455,31 @@ mod tests {
         assert_eq!(one_shot_name(DataType::Float64), None);
         let bound = format!(".maxntid {ONE_SHOT_BLOCK}, 1, 1");
         assert_eq!(lines.iter().filter(|l| **l == bound).count(), 3);
+        // Two blocks an SM: at most 64 registers a thread.
+        assert_eq!(lines.iter().filter(|l| **l == ".minnctapersm 2").count(), 3);
         assert!(ONE_SHOT_PTX.contains("cvt.rn.bf16.f32"));
         assert!(ONE_SHOT_PTX.contains("cvt.rn.f16.f32"));
         // Plain peer loads and stores only: no multicast objects, no multimem.
         assert!(!ONE_SHOT_PTX.contains("multimem"));
         assert!(ONE_SHOT_PTX.contains("%globaltimer"));
+    }
+
+    #[test]
+    fn one_shot_ctrl_refuses_what_the_kernel_refuses() {
+        let peers = [0x1000, 0x2000];
+        let ctrl = one_shot_ctrl(&peers, 0x3000, 7, 1, 1 << 20).expect("a valid block");
+        assert_eq!(&ctrl[..2], &peers);
+        assert_eq!(
+            (ctrl[8], ctrl[9], ctrl[10], ctrl[11]),
+            (0x3000, 7, 1 | 2 << 32, 1 << 20)
+        );
+        assert!(ctrl[12..].iter().all(|&w| w == 0), "lanes free, no status");
+        assert!(one_shot_ctrl(&peers, 0, 0, 0, ONE_SHOT_MAX_SLOT_BYTES).is_some());
+        assert!(one_shot_ctrl(&peers, 0, 0, 0, ONE_SHOT_MAX_SLOT_BYTES + 16).is_none());
+        assert!(one_shot_ctrl(&peers, 0, 0, 0, (1 << 20) + 8).is_none());
+        assert!(one_shot_ctrl(&peers, 0, 0, 2, 1 << 20).is_none());
+        assert!(one_shot_ctrl(&peers[..1], 0, 0, 0, 1 << 20).is_none());
+        assert!(one_shot_ctrl(&[0; 9], 0, 0, 0, 1 << 20).is_none());
     }
 
     #[test]

@@ -6,7 +6,11 @@
 //! as between GPUs; only the wires differ). One GPU can run what the
 //! backend's set-up cannot (NCCL refuses two ranks on one device): every
 //! size of one slot with odd counts, three calls per size so both halves
-//! and the epochs turn over, the graph lane captured once and replayed
+//! and the epochs turn over (the second on data that is not 16-byte
+//! aligned), calls of up to the backend's largest slot (1 MiB), where a
+//! thread of the host's grid has up to four 16-byte units, at 2, 3 and 5
+//! ranks (each of the kernel's ways of batching its loads from its peers),
+//! the graph lane captured once and replayed
 //! with new data, a rank that never arrives (every other rank's kernel
 //! gives up on its own clock with the timeout status), the abort word
 //! (every kernel exits with the aborted status), and a second call on a
@@ -18,7 +22,8 @@
 //! the GPU's canonical NaN), overflow and subnormals.
 //!
 //! Invariants: every element of every rank's output equals the host
-//! reference (`kernels::one_shot_sum`) bit for bit; the inputs are random
+//! reference (`kernels::one_shot_sum`) bit for bit, and the elements on
+//! either side of it are not written; the inputs are random
 //! and include the "not arrived" word (the pair (+0.0, -0.0), the f32
 //! -0.0) that the kernel must read as zeros; every wait is bounded.
 
@@ -38,6 +43,16 @@ use crate::one_shot_local::{LANE_EAGER, LANE_GRAPH, LocalOneShot};
 const SLOT_BYTES: usize = 64 << 10;
 /// Element counts, and a whole slot of any type.
 const SIZES: &[usize] = &[1, 2, 3, 7, 8, 9, 255, 4097, 16_383];
+/// The worlds simulated: 2, up to 4 and up to 8 ranks are the kernel's
+/// three ways of batching its loads from peers.
+const WORLDS: [usize; 5] = [2, 3, 4, 5, 8];
+/// Element offsets of the eager calls of each size: the second call's data
+/// is not 16-byte aligned.
+const OFFSETS: [usize; 3] = [0, 3, 0];
+/// Bytes of the large calls' slot: the backend's largest.
+const LARGE_SLOT_BYTES: usize = 1 << 20;
+/// 16-byte units in one pass of the host's largest grid.
+const GRID_UNITS: usize = (kernels::ONE_SHOT_MAX_GRID * kernels::ONE_SHOT_BLOCK) as usize;
 /// The kernel's statuses (`OS_STATUS_*` in `one_shot.cu`).
 const STATUS_TIMEOUT: u32 = 1;
 const STATUS_ABORTED: u32 = 2;
@@ -66,7 +81,8 @@ fn kernel_of<T: OneShotElement + SuiteElem>(
     let seed = 0x05e1_f00d ^ ctx.rank as u64;
     let whole = SLOT_BYTES / dtype.size();
     let sizes = SIZES.iter().copied().filter(|&n| n < whole).chain([whole]);
-    for k in [2, 4, 8] {
+    large_calls::<T>(ctx, c, &f, seed)?;
+    for k in WORLDS {
         let mut ranks = LocalOneShot::<T>::new(c, k, SLOT_BYTES, Duration::from_secs(20))?;
         ctx.step(format!("{k} ranks, {dtype}, edge values"));
         let inputs = ranks.load((0..k).map(edge_values::<T>).collect())?;
@@ -75,13 +91,18 @@ fn kernel_of<T: OneShotElement + SuiteElem>(
         ranks.check("edge values", &inputs)?;
         ctx.step(format!("{k} ranks, {dtype}, eager"));
         for n in sizes.clone() {
-            for call in 0..3u64 {
-                let inputs = ranks.fill(seed ^ (call << 40) ^ ((k as u64) << 48), n)?;
+            for (call, offset) in OFFSETS.into_iter().enumerate() {
+                ranks.set_offset(offset)?;
+                let inputs = ranks.fill(seed ^ ((call as u64) << 40) ^ ((k as u64) << 48), n)?;
                 ranks.launch_all(&f, n, LANE_EAGER)?;
                 ranks.wait()?;
-                ranks.check(&format!("eager call {call} of {n} values"), &inputs)?;
+                ranks.check(
+                    &format!("eager call {call} of {n} values at offset {offset}"),
+                    &inputs,
+                )?;
             }
         }
+        ranks.set_offset(0)?;
         ctx.step(format!("{k} ranks, {dtype}, captured and replayed"));
         for n in [1, 4097, whole] {
             let execs = (0..k)
@@ -134,6 +155,57 @@ fn kernel_of<T: OneShotElement + SuiteElem>(
                     "{k} ranks, a second call on held lane {lane}, {n} values"
                 ));
                 second_call_on_a_held_lane(c, &f, k, lane, n, seed)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Calls of `T` in a 1 MiB slot at 2, 3 and 5 ranks: counts that give the
+/// host grid's threads 2, 3 and 4 units (each with a partial last unit but
+/// the whole slot), aligned and not, eager on both halves, and the whole
+/// slot captured and replayed at 2 ranks.
+fn large_calls<T: OneShotElement + SuiteElem>(
+    ctx: &RankCtx,
+    c: &std::sync::Arc<nccl_safe::Context>,
+    f: &nccl_safe::Function,
+    seed: u64,
+) -> anyhow::Result<()> {
+    let per = 16 / T::DATA_TYPE.size();
+    let pass = GRID_UNITS * per;
+    for k in [2, 3, 5] {
+        ctx.step(format!("{k} ranks, {}, calls of up to 1 MiB", T::DATA_TYPE));
+        let mut ranks = LocalOneShot::<T>::new(c, k, LARGE_SLOT_BYTES, Duration::from_secs(20))?;
+        let whole = ranks.max_elems();
+        for n in [pass + 1, 2 * pass + per - 1, 3 * pass + 5, whole - 3, whole] {
+            for (call, offset) in [0, 1].into_iter().enumerate() {
+                ranks.set_offset(offset)?;
+                let inputs = ranks.fill(seed ^ 0x1a7e ^ ((call as u64) << 40) ^ (n as u64), n)?;
+                ranks.launch_all(f, n, LANE_EAGER)?;
+                ranks.wait()?;
+                ranks.check(
+                    &format!("eager call {call} of {n} values at offset {offset}"),
+                    &inputs,
+                )?;
+            }
+        }
+        ranks.set_offset(0)?;
+        if k == 2 {
+            let execs = (0..k)
+                .map(|r| ranks.capture(f, r, whole, 2))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            for replay in 0..2u64 {
+                let inputs = ranks.fill(seed ^ 0x9a7e ^ (replay << 32), whole)?;
+                for (r, exec) in execs.iter().enumerate() {
+                    exec.launch(ranks.stream(r))?;
+                }
+                ranks.wait()?;
+                // Two calls per replay: the sum of the first call's sums.
+                let first = kernels::one_shot_sum(&inputs).map_err(anyhow::Error::msg)?;
+                ranks.check(
+                    &format!("replay {replay} of two calls of {whole} values"),
+                    &vec![first; k],
+                )?;
             }
         }
     }
