@@ -232,7 +232,7 @@ pub fn all() -> Vec<Scenario> {
         ),
         s(
             "oneshot_kernel_one_device",
-            "the one-shot kernel with 2/4/8 ranks simulated on one device: sizes, graph lane, timeout, abort",
+            "the one-shot kernel with 2-8 ranks simulated on one device: sizes to 1 MiB, misaligned, graph lane, timeout, abort",
             1,
             Some(1),
             &[1],
