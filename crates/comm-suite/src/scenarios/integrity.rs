@@ -430,15 +430,31 @@ fn short(ctx: &RankCtx, policy: FastPathPolicy) -> metrale_comm::BackendConfig {
         .with_fast_path(policy)
 }
 
-/// With NCCL's all-reduce, rank 0 reduces 1 MiB while rank 1 reduces
-/// 2 MiB; the emulator fails the collective on both. The all_reduce or the
-/// synchronize after it must return `Failed` naming `all_reduce` and its
-/// sequence number, by the deadline; the backend is then poisoned by it,
-/// refuses the next call with it as the cause, and its dump names it.
+/// With NCCL's all-reduce, after one that succeeded, rank 0 reduces 1 MiB
+/// while rank 1 reduces 2 MiB; the emulator fails the collective on both.
+/// The all_reduce or the synchronize after it must return `Failed` naming
+/// `all_reduce` and its sequence number (not the one before, which its
+/// caller was told succeeded), by the deadline; the backend is then
+/// poisoned by it, refuses the next call with it as the cause, and its
+/// dump names it. Twice: with the watchdog's usual interval, and with a
+/// 1 s one, so that the watchdog has not yet retired the successful
+/// all-reduce when the failure is seen (the waiter names the failure).
 pub fn mismatch_reported(ctx: &RankCtx) -> anyhow::Result<()> {
     let (_emu, _reset) = fault_injection(ctx)?;
-    let seed = ctx.shared_seed("int-mismatch")?;
-    let b = ctx.backend("int-mismatch", short(ctx, FastPathPolicy::Never))?;
+    mismatch_once(ctx, "int-mismatch", short(ctx, FastPathPolicy::Never))?;
+    let mut slow = short(ctx, FastPathPolicy::Never);
+    slow.watchdog_interval = Duration::from_secs(1);
+    mismatch_once(ctx, "int-mismatch-slow-watchdog", slow)
+        .context("with the watchdog ticking once a second")
+}
+
+fn mismatch_once(
+    ctx: &RankCtx,
+    name: &str,
+    cfg: metrale_comm::BackendConfig,
+) -> anyhow::Result<()> {
+    let seed = ctx.shared_seed(name)?;
+    let b = ctx.backend(name, cfg)?;
     reduce_ok(ctx, &b, seed, 1)?;
     let n = if ctx.rank == 0 { 1 << 19 } else { 1 << 20 };
     let mine = small_ints(seed, ctx.rank, 2, n);

@@ -585,15 +585,16 @@ impl CommBackend for NcclBackend {
                 .map_err(|source| CommError::Refused { op: OP, source })?;
             // The work on callers' streams (all_reduce_async, send, receive):
             // the newest watched event of each such stream.
-            let mut events = vec![event];
+            let mut events = vec![(slot.stream.raw() as usize, event)];
             events.extend(inner.watched.lock().newest_events());
             events
                 .into_iter()
-                .map(|event| Ticket {
+                .map(|(stream, event)| Ticket {
                     seq,
                     event,
                     generation,
                     comm: comm.clone(),
+                    stream,
                 })
                 .collect::<Vec<_>>()
         };

@@ -41,6 +41,16 @@ pub(super) struct Ticket {
     pub(super) event: Arc<Event>,
     pub(super) generation: u64,
     pub(super) comm: AbortHandle,
+    /// The stream (as its watch key) the event is recorded on: once the
+    /// ticket is confirmed, every submission there up to `seq` is good.
+    pub(super) stream: usize,
+}
+
+/// What [`Inner::confirm`] found.
+enum Verdict {
+    Good,
+    Aborted,
+    Failed(FailureKind),
 }
 
 /// A submission the watchdog waits for.
@@ -64,11 +74,22 @@ pub(super) struct Watched {
 /// per completion, whatever the number in flight. A handful of streams is
 /// the usual case, so the queues are a vector searched from its newest
 /// queue back (no hashing on the submission path).
+///
+/// It also keeps, per stream, the newest submission a waiter confirmed
+/// good (its event complete, then its communicator's asynchronous error
+/// clear), so a failure seen later is never named after work a caller was
+/// told had succeeded.
 #[derive(Default)]
 pub(super) struct WatchQueues {
     queues: Vec<(usize, VecDeque<Watched>)>,
     pool: Vec<Arc<Event>>,
+    good: Vec<(usize, u64)>,
 }
+
+/// The most streams whose confirmed-good mark is kept; past it the oldest
+/// mark is forgotten (its stream's failures are then named as if nothing
+/// there had been confirmed, the conservative choice).
+const GOOD_MARKS_CAP: usize = 64;
 
 impl WatchQueues {
     fn position(&self, stream: usize) -> Option<usize> {
@@ -158,26 +179,50 @@ impl WatchQueues {
             .collect()
     }
 
-    /// The oldest watched submission of `generation` that has a deadline.
+    /// The oldest watched submission of `generation` that has a deadline
+    /// and was not confirmed good.
     pub(super) fn oldest_with_deadline(&self, generation: u64) -> Option<(&'static str, u64)> {
         self.queues
             .iter()
-            .flat_map(|(_, q)| q)
-            .filter(|w| w.generation == generation && w.deadline.is_some())
-            .min_by_key(|w| w.seq)
-            .map(|w| (w.op, w.seq))
+            .flat_map(|(s, q)| q.iter().map(move |w| (*s, w)))
+            .filter(|(s, w)| {
+                w.generation == generation && w.deadline.is_some() && !self.is_good(*s, w.seq)
+            })
+            .min_by_key(|(_, w)| w.seq)
+            .map(|(_, w)| (w.op, w.seq))
     }
 
-    /// Forgets every watched submission (the pool stays).
+    /// Records that every submission on `stream` up to `seq` succeeded.
+    pub(super) fn mark_good(&mut self, stream: usize, seq: u64) {
+        if let Some(g) = self.good.iter_mut().find(|(s, _)| *s == stream) {
+            g.1 = g.1.max(seq);
+            return;
+        }
+        if self.good.len() >= GOOD_MARKS_CAP
+            && let Some(i) = (0..self.good.len()).min_by_key(|&i| self.good[i].1)
+        {
+            self.good.swap_remove(i);
+        }
+        self.good.push((stream, seq));
+    }
+
+    /// Whether submission `seq` on `stream` was confirmed good.
+    pub(super) fn is_good(&self, stream: usize, seq: u64) -> bool {
+        self.good.iter().any(|&(s, g)| s == stream && seq <= g)
+    }
+
+    /// Forgets every watched submission and every confirmed-good mark (the
+    /// pool stays).
     pub(super) fn clear(&mut self) {
         self.queues.clear();
+        self.good.clear();
     }
 
-    /// The newest watched event of each stream.
-    pub(super) fn newest_events(&self) -> Vec<Arc<Event>> {
+    /// The newest watched event of each stream, with the stream's key.
+    pub(super) fn newest_events(&self) -> Vec<(usize, Arc<Event>)> {
         self.queues
             .iter()
-            .filter_map(|(_, q)| q.back().map(|w| w.event.clone()))
+            .filter_map(|(s, q)| q.back().map(|w| (*s, w.event.clone())))
             .collect()
     }
 
@@ -590,6 +635,7 @@ impl Inner {
                 event,
                 generation,
                 comm,
+                stream: raw_stream as usize,
             }),
         ))
     }
@@ -670,16 +716,37 @@ impl Inner {
     /// The check behind every completion a caller is told of: the event of
     /// `ticket` completed, and its communicator reports no asynchronous
     /// error and was not aborted. An asynchronous error poisons, attributed
-    /// to the oldest submission still unconfirmed.
+    /// to the oldest submission not confirmed good. On success the ticket's
+    /// stream is marked good up to its seq before the caller is told, so a
+    /// failure that comes later is never named after a submission the
+    /// caller was told succeeded.
     pub(super) fn confirm(&self, op: &'static str, ticket: &Ticket) -> Result<()> {
         let seq = ticket.seq;
         if self.health.is_poisoned() {
             return Err(self.own_or_poisoned(op, seq));
         }
-        match ticket.comm.async_error() {
-            Ok(()) => {}
-            Err(nccl_safe::Error::Aborted { .. }) => return Err(self.aborted(op, ticket)),
-            Err(e) => {
+        let verdict = {
+            let verdict = match ticket.comm.async_error() {
+                Ok(()) if self.generation.load(Ordering::Acquire) != ticket.generation => {
+                    Verdict::Aborted
+                }
+                // A one-shot kernel that gave up (its own deadline) completes
+                // its event too: its status says it holds no sum.
+                Ok(()) => self
+                    .one_shot_failure()
+                    .map_or(Verdict::Good, Verdict::Failed),
+                Err(nccl_safe::Error::Aborted { .. }) => Verdict::Aborted,
+                Err(e) => Verdict::Failed(FailureKind::AsyncError(e)),
+            };
+            if let Verdict::Good = verdict {
+                self.watched.lock().mark_good(ticket.stream, seq);
+            }
+            verdict
+        };
+        match verdict {
+            Verdict::Good => Ok(()),
+            Verdict::Aborted => Err(self.aborted(op, ticket)),
+            Verdict::Failed(kind) => {
                 let (first_op, first_seq) = self
                     .oldest_pending()
                     .filter(|&(_, s)| s < seq)
@@ -687,24 +754,10 @@ impl Inner {
                 // A synchronize's ticket carries the last submission's seq:
                 // name that submission, not the wait.
                 let first_op = self.recorder.op_of(first_seq).unwrap_or(first_op);
-                self.poison(first_op, first_seq, FailureKind::AsyncError(e));
-                return Err(self.own_or_poisoned(op, seq));
+                self.poison(first_op, first_seq, kind);
+                Err(self.own_or_poisoned(op, seq))
             }
         }
-        if self.generation.load(Ordering::Acquire) != ticket.generation {
-            return Err(self.aborted(op, ticket));
-        }
-        // A one-shot kernel that gave up (its own deadline) completes its
-        // event too: its status says it holds no sum.
-        if let Some(kind) = self.one_shot_failure() {
-            let (first_op, first_seq) = self
-                .oldest_pending()
-                .filter(|&(_, s)| s < seq)
-                .unwrap_or((op, seq));
-            self.poison(first_op, first_seq, kind);
-            return Err(self.own_or_poisoned(op, seq));
-        }
-        Ok(())
     }
 
     /// The error for a submission whose communicator was aborted before the

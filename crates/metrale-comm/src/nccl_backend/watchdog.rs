@@ -9,7 +9,9 @@
 //!   that gave up completes its event too), are asked for before any
 //!   finished submission is marked complete, so a submission whose event
 //!   fired on a failed communicator is named as the failure (op and seq),
-//!   never recorded as done.
+//!   never recorded as done; unless a waiter had confirmed it good (its
+//!   event complete and the error clear, then its caller told of success),
+//!   which the watch queues remember per stream.
 //! - It holds only a weak reference between ticks, and exits at shutdown.
 
 use std::sync::atomic::Ordering;
@@ -46,7 +48,7 @@ impl Inner {
         let generation = self.generation.load(Ordering::Acquire);
         let mut expired: Option<(&'static str, u64)> = None;
         let mut failed: Option<(&'static str, u64, nccl_safe::Error)> = None;
-        let mut done: Vec<(&'static str, u64, Arc<Event>)> = Vec::new();
+        let mut done: Vec<(usize, &'static str, u64, Arc<Event>)> = Vec::new();
         let streams = self.watched.lock().streams();
         for stream in streams {
             // Work on one stream completes in order, so a submission is
@@ -124,7 +126,7 @@ impl Inner {
                     taken
                         .into_iter()
                         .filter(|w| w.generation == generation)
-                        .map(|w| (w.op, w.seq, w.event)),
+                        .map(|w| (stream, w.op, w.seq, w.event)),
                 );
             }
         }
@@ -168,23 +170,28 @@ impl Inner {
             .map(FailureKind::AsyncError)
             .or_else(|| self.one_shot_failure());
         if let Some(kind) = failure {
-            let (op, seq) = done
-                .iter()
-                .map(|(op, seq, _)| (*op, *seq))
-                .chain(self.oldest_pending())
-                .min_by_key(|&(_, seq)| seq)
-                .unwrap_or_else(|| {
-                    // Nothing watched yet (a submission between its record
-                    // and its watch): the last recorded one.
-                    let seq = self.recorder.last_seq();
-                    (self.recorder.op_of(seq).unwrap_or("all_reduce"), seq)
-                });
+            // Named after the oldest submission not confirmed good by a
+            // waiter (which told its caller it succeeded).
+            let blamed = {
+                let watched = self.watched.lock();
+                done.iter()
+                    .filter(|(stream, _, seq, _)| !watched.is_good(*stream, *seq))
+                    .map(|(_, op, seq, _)| (*op, *seq))
+                    .chain(watched.oldest_with_deadline(generation))
+                    .min_by_key(|&(_, seq)| seq)
+            };
+            let (op, seq) = blamed.unwrap_or_else(|| {
+                // Nothing watched yet (a submission between its record
+                // and its watch): the last recorded one.
+                let seq = self.recorder.last_seq();
+                (self.recorder.op_of(seq).unwrap_or("all_reduce"), seq)
+            });
             self.poison(op, seq, kind);
             return;
         }
         self.recorder
-            .set_completed(done.iter().map(|(_, seq, _)| *seq));
-        self.recycle(done.into_iter().map(|(_, _, ev)| ev));
+            .set_completed(done.iter().map(|(_, _, seq, _)| *seq));
+        self.recycle(done.into_iter().map(|(_, _, _, ev)| ev));
     }
 }
 
