@@ -9,8 +9,8 @@
 //! every stream, so no kernel runs on freed memory;
 //! every launch is checked against the kernel's launch contract (`n` within
 //! one slot, lane 0 or 1) before it is made; every wait is bounded. A
-//! call's values start [`LocalOneShot::offset`] elements into each data
-//! buffer, between [`GUARD`] guard elements on each side that the kernel
+//! call's values start [`GUARD`] + [`LocalOneShot::offset`] elements into
+//! each data buffer, with at least [`GUARD`] guard elements on each side that the kernel
 //! must not write (the check reads them too).
 
 use std::sync::Arc;
@@ -105,7 +105,7 @@ impl<T: OneShotElement + SuiteElem> LocalOneShot<T> {
             flags.push(f);
             data.push(DeviceBuffer::<T>::alloc(
                 c,
-                slot_bytes / T::DATA_TYPE.size() + 2 * GUARD,
+                slot_bytes / T::DATA_TYPE.size() + 3 * GUARD,
             )?);
             streams.push(Stream::new(c)?);
         }
@@ -133,22 +133,41 @@ impl<T: OneShotElement + SuiteElem> LocalOneShot<T> {
     }
 
     /// Where a call's values start in every data buffer, in elements: 0
-    /// (16-byte aligned) unless [`LocalOneShot::set_offset`] said otherwise.
+    /// (16-byte aligned) unless [`LocalOneShot::set_offset`] said otherwise,
+    /// after [`GUARD`] guard elements.
     pub fn offset(&self) -> usize {
         self.offset
     }
 
     /// Makes later loads, launches and checks put a call's values
-    /// `offset` elements (less than [`GUARD`]) into every data buffer: an
-    /// offset that is not a multiple of 16 bytes is a misaligned call.
+    /// `offset` elements (less than [`GUARD`]) after the leading guards of
+    /// every data buffer: an offset that is not a multiple of 16 bytes is a
+    /// misaligned call.
     pub fn set_offset(&mut self, offset: usize) -> anyhow::Result<()> {
         ensure!(offset < GUARD, "offset {offset} of at most {}", GUARD - 1);
         self.offset = offset;
         Ok(())
     }
 
+    /// Where a call's values start in a data buffer, in elements.
+    fn lead(&self) -> usize {
+        GUARD + self.offset
+    }
+
     fn guard() -> T {
         T::from_f32(GUARD_VALUE)
+    }
+
+    /// Rewrites the slot size in rank `r`'s control block (the receive
+    /// buffers keep their size): a launch must then refuse any slot larger
+    /// than the kernel's bound before it touches a buffer.
+    pub fn set_ctrl_slot(&mut self, r: usize, slot_bytes: u64) -> anyhow::Result<()> {
+        ensure!(r < self.k, "rank {r} of {}", self.k);
+        self.streams[r].wait_until_idle(WAIT)?;
+        let mut words = self.ctrl[r].to_host_vec()?;
+        words[11] = slot_bytes;
+        self.ctrl[r].copy_prefix_from_host(&words)?;
+        Ok(())
     }
 
     /// Rank `r`'s stream.
@@ -194,7 +213,7 @@ impl<T: OneShotElement + SuiteElem> LocalOneShot<T> {
         let (max, offset) = (self.max_elems(), self.offset);
         for (d, v) in self.data.iter_mut().zip(&inputs) {
             ensure!(v.len() <= max, "{} values in one slot", v.len());
-            let mut host = vec![Self::guard(); offset];
+            let mut host = vec![Self::guard(); GUARD + offset];
             host.extend_from_slice(v);
             host.extend(std::iter::repeat_n(Self::guard(), GUARD));
             d.copy_prefix_from_host(&host)?;
@@ -230,15 +249,16 @@ impl<T: OneShotElement + SuiteElem> LocalOneShot<T> {
         // SAFETY: `f` is the one-shot entry point of `T` in this context
         // (this function's contract); `ctrl` is this rank's control block, laid
         // out by `one_shot_ctrl`, naming live receive buffers of this
-        // context; `data` from the offset holds at least `n` values (one
-        // slot's worth and a guard after it); all stay allocated
+        // context; `data` from the call's start (after the leading guards
+        // and the offset) holds at least `n` values (one slot's worth and
+        // the trailing guards); all stay allocated
         // until `self` is dropped, after every stream (the side stream
         // too) is idle.
         unsafe {
             kernels::launch_one_shot(
                 f,
                 self.ctrl[r].device_ptr(),
-                self.data[r].device_ptr() + (self.offset * T::DATA_TYPE.size()) as u64,
+                self.data[r].device_ptr() + (self.lead() * T::DATA_TYPE.size()) as u64,
                 (n, T::DATA_TYPE),
                 lane,
                 stream.raw(),
@@ -272,7 +292,7 @@ impl<T: OneShotElement + SuiteElem> LocalOneShot<T> {
     /// Rank `r`'s data buffer from the offset on, on the host.
     pub fn output(&self, r: usize) -> anyhow::Result<Vec<T>> {
         let mut v = self.data[r].to_host_vec()?;
-        v.drain(..self.offset);
+        v.drain(..self.lead());
         Ok(v)
     }
 
@@ -284,9 +304,9 @@ impl<T: OneShotElement + SuiteElem> LocalOneShot<T> {
         let guard = Self::guard().to_bits32();
         for r in 0..self.k {
             let all = self.data[r].to_host_vec()?;
-            let (before, got) = all.split_at(self.offset);
-            // The guards before the values (at -offset..0 from the call's
-            // first element) and after them (n..n + GUARD).
+            let (before, got) = all.split_at(self.lead());
+            // The guards before the values (at -(GUARD + offset)..0 from the
+            // call's first element) and after them (n..n + GUARD).
             let written = before
                 .iter()
                 .enumerate()

@@ -332,7 +332,9 @@ fn run(e: Elem, (ctrl, data, n, lane): (u64, u64, usize, u32), tag: u64) -> Opti
         || !(2..=MAX_RANKS).contains(&c.world)
         || c.rank >= c.world
         || n == 0
-        || (e.size() * n) as u64 > slot
+        || e.size()
+            .checked_mul(n)
+            .is_none_or(|bytes| bytes as u64 > slot)
         || slot > MAX_SLOT
         || !slot.is_multiple_of(16)
     {

@@ -32,8 +32,8 @@
 //        for the call that uses this half next), and adds in f32; a thread
 //        issues its first loads of a unit from every peer (in worlds of
 //        more than 4, from 4 peers at a time) before it waits for any, so
-//        it waits about one memory latency per unit, not one per unit and
-//        peer;
+//        it waits about one memory latency per unit (two above 5 ranks),
+//        not one per unit and peer;
 //     3. rounds the f32 sums to the type (nearest even) into the data, in
 //        place (f32: no rounding);
 //     4. frees the lane at the next epoch with one store of the claim word,
@@ -83,9 +83,10 @@
 //                 written in place;
 //           n     element count, 1 <= n, n * sizeof(type) <= ctrl->slot_bytes;
 //           lane  0 (eager) or 1 (captured into a graph).
-//   block:  8 to OS_BLOCK (512) threads in x; any grid size is correct
-//           (grid-stride loops); the host uses at most 32 blocks so that
-//           spinning calls never fill the GPU.
+//   block:  8 to OS_BLOCK (512) threads in x; any grid of fewer than 2^31
+//           threads is correct (grid-stride loops, 32-bit counts); the host
+//           uses at most 32 blocks so that spinning calls never fill the
+//           GPU.
 //   shared memory: static only.
 // Peer memory is reached with plain volatile loads and stores (over NVLink
 // between the GPUs of one node); no multicast, no multimem.
@@ -252,7 +253,7 @@ struct OsF32 {
 
 // Elements PER u .. PER u + PER - 1 of `data` as four words, one at a
 // time (a misaligned `data`, or the call's last unit); elements at or past
-// `n` read as +0.0. Out of line: the common case is one 16-byte load.
+// `n` read as +0.0.
 template <class E>
 __device__ __forceinline__ uint4 os_load_each(const typename E::Bits* data, unsigned int n,
                                            unsigned int u)
@@ -284,7 +285,7 @@ __device__ __forceinline__ uint4 os_load(const typename E::Bits* data, unsigned 
 }
 
 // Writes the elements of `v` that lie below `n` to elements PER u ..
-// PER u + PER - 1, one at a time. Out of line, as `os_load_each`.
+// PER u + PER - 1, one at a time.
 template <class E>
 __device__ __forceinline__ void os_store_each(typename E::Bits* data, unsigned int n,
                                            unsigned int u, uint4 v)
@@ -382,9 +383,9 @@ struct OsGot {
 };
 
 // Spins on `src` (16 bytes of a peer's slot, `v` its last load) until no
-// word is the sentinel, within the call's bounds (`t0`: the block's start).
-// Out of line, with its arguments by value: a unit that has arrived by its
-// first load never comes here, and the bounds are read only here.
+// word is the sentinel, within the call's bounds (`t0`: the block's start);
+// the bounds are read from the control block only here, so a unit that
+// has arrived by its first load reads none of them.
 __device__ __forceinline__ OsGot os_wait(unsigned long long src, uint4 v, OsCtrl* ctrl,
                                       unsigned long long t0)
 {
@@ -442,7 +443,9 @@ __device__ __forceinline__ bool os_finish(const OsCall& c, typename E::Bits* dat
 {
     const uint4 clear = make_uint4(OS_SENTINEL, OS_SENTINEL, OS_SENTINEL, OS_SENTINEL);
     constexpr int QMAX = (MP + G - 1) / G * G;
-    // -0.0 + x is x for every x, so the sums start there.
+    // -0.0 + x is x for every x but a NaN (which comes out canonical, as
+    // it does from the second add a world of 2 or more always makes), so
+    // the sums start there.
     float acc[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
@@ -555,8 +558,8 @@ __device__ __forceinline__ void os_one_shot(OsCtrl* ctrl, typename E::Bits* data
     c.stride = gridDim.x * blockDim.x;
     c.cnt = c.tid < units ? (units - c.tid + c.stride - 1u) / c.stride : 0u;
     const bool bad = lane > 1u || c.world < 2u || c.world > OS_MAX_RANKS || c.rank >= c.world ||
-                     n == 0ull || n * sizeof(typename E::Bits) > slot || slot > OS_MAX_SLOT ||
-                     (slot & 15ull) != 0ull;
+                     c.n == 0u || (unsigned long long)c.n * sizeof(typename E::Bits) > slot ||
+                     slot > OS_MAX_SLOT || (slot & 15ull) != 0ull;
     uint4 first = make_uint4(0u, 0u, 0u, 0u);
     if (c.cnt != 0u) {
         first = os_canon(os_load<E>(data, c.n, c.tid, c.aligned));

@@ -1,25 +1,29 @@
 //! The one-shot kernels themselves, without NCCL or the backend (through
-//! [`crate::one_shot_local::LocalOneShot`]): `k` ranks (2, 4
-//! and 8) simulated on this rank's one device, each with its own receive
-//! buffer, control block, pinned flags, data and stream, every control
-//! block naming the others' buffers by address (the protocol is the same
-//! as between GPUs; only the wires differ). One GPU can run what the
-//! backend's set-up cannot (NCCL refuses two ranks on one device): every
-//! size of one slot with odd counts, three calls per size so both halves
-//! and the epochs turn over (the second on data that is not 16-byte
-//! aligned), calls of up to the backend's largest slot (1 MiB), where a
-//! thread of the host's grid has up to four 16-byte units, at 2, 3 and 5
-//! ranks (each of the kernel's ways of batching its loads from its peers),
-//! the graph lane captured once and replayed
-//! with new data, a rank that never arrives (every other rank's kernel
-//! gives up on its own clock with the timeout status), the abort word
-//! (every kernel exits with the aborted status), and a second call on a
-//! lane while one runs there (it records the concurrent-use status and
-//! writes nothing, and the running call gives up with it). All of it with
-//! the bf16 kernel; the f16 and f32 kernels (the same protocol, another
-//! arithmetic) run the sizes, calls and replays. Every type also sums the
-//! values at the edges of its arithmetic: infinities, NaNs (whose sum is
-//! the GPU's canonical NaN), overflow and subnormals.
+//! [`crate::one_shot_local::LocalOneShot`]): `k` ranks (2, 3, 4, 5 and 8)
+//! simulated on this rank's one device, each with its own receive buffer,
+//! control block, pinned flags, data and stream, every control block
+//! naming the others' buffers by address (the protocol is the same as
+//! between GPUs; only the wires differ). One GPU can run what the
+//! backend's set-up cannot (NCCL refuses two ranks on one device):
+//! - every size of a 64 KiB slot with odd counts, three calls per size so
+//!   both halves and the epochs turn over (the second on data that is not
+//!   16-byte aligned), and the graph lane captured once and replayed with
+//!   new data;
+//! - calls of up to the backend's largest slot (1 MiB), where a thread of
+//!   the host's grid has up to four 16-byte units, at 2, 3, 5 and 8 ranks
+//!   (each of the kernel's ways of batching its loads from peers, with
+//!   fewer peers than its bound and with all of them), aligned and not,
+//!   and at 2 ranks replayed;
+//! - with the bf16 kernel: a rank that never arrives (every other rank's
+//!   kernel gives up on its own clock with the timeout status), the abort
+//!   word (every kernel exits with the aborted status), a control block
+//!   naming a slot over the kernel's bound (the bad-launch status, nothing
+//!   written), and a second call on a lane while one runs there (it
+//!   records the concurrent-use status and writes nothing, and the running
+//!   call gives up with it);
+//! - in every type, the values at the edges of its arithmetic:
+//!   infinities, NaNs (whose sum is the GPU's canonical NaN), overflow and
+//!   subnormals.
 //!
 //! Invariants: every element of every rank's output equals the host
 //! reference (`kernels::one_shot_sum`) bit for bit, and the elements on
@@ -57,6 +61,7 @@ const GRID_UNITS: usize = (kernels::ONE_SHOT_MAX_GRID * kernels::ONE_SHOT_BLOCK)
 const STATUS_TIMEOUT: u32 = 1;
 const STATUS_ABORTED: u32 = 2;
 const STATUS_CONCURRENT: u32 = 3;
+const STATUS_BAD_LAUNCH: u32 = 4;
 
 /// See the module docs.
 pub fn kernel_one_device(ctx: &RankCtx) -> anyhow::Result<()> {
@@ -147,6 +152,11 @@ fn kernel_of<T: OneShotElement + SuiteElem>(
         ranks.expect_status(STATUS_ABORTED, "the abort word")?;
         drop(ranks);
 
+        if k == 2 {
+            ctx.step("a control block naming a slot over the kernel's bound");
+            slot_over_the_bound(c, &f, seed)?;
+        }
+
         // 255 values are one block, 4097 two: the second block finds the
         // lane claimed by its own launch and goes on.
         for lane in [LANE_EAGER, LANE_GRAPH] {
@@ -161,7 +171,7 @@ fn kernel_of<T: OneShotElement + SuiteElem>(
     Ok(())
 }
 
-/// Calls of `T` in a 1 MiB slot at 2, 3 and 5 ranks: counts that give the
+/// Calls of `T` in a 1 MiB slot at 2, 3, 5 and 8 ranks: counts that give the
 /// host grid's threads 2, 3 and 4 units (each with a partial last unit but
 /// the whole slot), aligned and not, eager on both halves, and the whole
 /// slot captured and replayed at 2 ranks.
@@ -173,7 +183,7 @@ fn large_calls<T: OneShotElement + SuiteElem>(
 ) -> anyhow::Result<()> {
     let per = 16 / T::DATA_TYPE.size();
     let pass = GRID_UNITS * per;
-    for k in [2, 3, 5] {
+    for k in [2, 3, 5, 8] {
         ctx.step(format!("{k} ranks, {}, calls of up to 1 MiB", T::DATA_TYPE));
         let mut ranks = LocalOneShot::<T>::new(c, k, LARGE_SLOT_BYTES, Duration::from_secs(20))?;
         let whole = ranks.max_elems();
@@ -240,6 +250,31 @@ fn edge_values<T: OneShotElement>(r: usize) -> Vec<T> {
             })
         })
         .collect()
+}
+
+/// Rank 0's control block names a slot 16 bytes over the kernel's bound
+/// (`kernels::ONE_SHOT_MAX_SLOT_BYTES`): its call records the bad-launch
+/// status and writes nothing; no other rank launches.
+fn slot_over_the_bound(
+    c: &std::sync::Arc<nccl_safe::Context>,
+    f: &nccl_safe::Function,
+    seed: u64,
+) -> anyhow::Result<()> {
+    let mut ranks = LocalOneShot::<bf16>::new(c, 2, SLOT_BYTES, Duration::from_secs(30))?;
+    let inputs = ranks.fill(seed ^ 0x0b0b, 255)?;
+    ranks.set_ctrl_slot(0, (kernels::ONE_SHOT_MAX_SLOT_BYTES + 16) as u64)?;
+    ranks.launch(f, 0, 255, LANE_EAGER)?;
+    anyhow::ensure!(ranks.wait().is_err(), "a slot over the bound set no status");
+    let status = [ranks.flags(0).load(1), ranks.flags(1).load(1)];
+    anyhow::ensure!(
+        status == [STATUS_BAD_LAUNCH, 0],
+        "statuses {status:?}, want [{STATUS_BAD_LAUNCH}, 0]"
+    );
+    let got = ranks.output(0)?;
+    if let Some(i) = (0..255).find(|&i| got[i].to_bits() != inputs[0][i].to_bits()) {
+        anyhow::bail!("element {i} was written under a refused launch");
+    }
+    Ok(())
 }
 
 /// Rank 0 of `k` starts a call on `lane` that waits (no peer launches),
