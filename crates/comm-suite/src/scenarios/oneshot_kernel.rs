@@ -95,19 +95,13 @@ fn kernel_of<T: OneShotElement + SuiteElem>(
         ranks.wait()?;
         ranks.check("edge values", &inputs)?;
         ctx.step(format!("{k} ranks, {dtype}, eager"));
-        for n in sizes.clone() {
-            for (call, offset) in OFFSETS.into_iter().enumerate() {
-                ranks.set_offset(offset)?;
-                let inputs = ranks.fill(seed ^ ((call as u64) << 40) ^ ((k as u64) << 48), n)?;
-                ranks.launch_all(&f, n, LANE_EAGER)?;
-                ranks.wait()?;
-                ranks.check(
-                    &format!("eager call {call} of {n} values at offset {offset}"),
-                    &inputs,
-                )?;
-            }
-        }
-        ranks.set_offset(0)?;
+        eager_calls(
+            &mut ranks,
+            &f,
+            sizes.clone(),
+            &OFFSETS,
+            seed ^ ((k as u64) << 48),
+        )?;
         ctx.step(format!("{k} ranks, {dtype}, captured and replayed"));
         for n in [1, 4097, whole] {
             let execs = (0..k)
@@ -171,6 +165,31 @@ fn kernel_of<T: OneShotElement + SuiteElem>(
     Ok(())
 }
 
+/// For every size of `sizes`, one eager call per offset of `offsets` (the
+/// call's values that many elements from aligned), every rank checked;
+/// the offset is 0 again after.
+fn eager_calls<T: OneShotElement + SuiteElem>(
+    ranks: &mut LocalOneShot<T>,
+    f: &nccl_safe::Function,
+    sizes: impl IntoIterator<Item = usize>,
+    offsets: &[usize],
+    seed: u64,
+) -> anyhow::Result<()> {
+    for n in sizes {
+        for (call, &offset) in offsets.iter().enumerate() {
+            ranks.set_offset(offset)?;
+            let inputs = ranks.fill(seed ^ ((call as u64) << 40) ^ ((n as u64) << 8), n)?;
+            ranks.launch_all(f, n, LANE_EAGER)?;
+            ranks.wait()?;
+            ranks.check(
+                &format!("eager call {call} of {n} values at offset {offset}"),
+                &inputs,
+            )?;
+        }
+    }
+    ranks.set_offset(0)
+}
+
 /// Calls of `T` in a 1 MiB slot at 2, 3, 5 and 8 ranks: counts that give the
 /// host grid's threads 2, 3 and 4 units (each with a partial last unit but
 /// the whole slot), aligned and not, eager on both halves, and the whole
@@ -187,19 +206,8 @@ fn large_calls<T: OneShotElement + SuiteElem>(
         ctx.step(format!("{k} ranks, {}, calls of up to 1 MiB", T::DATA_TYPE));
         let mut ranks = LocalOneShot::<T>::new(c, k, LARGE_SLOT_BYTES, Duration::from_secs(20))?;
         let whole = ranks.max_elems();
-        for n in [pass + 1, 2 * pass + per - 1, 3 * pass + 5, whole - 3, whole] {
-            for (call, offset) in [0, 1].into_iter().enumerate() {
-                ranks.set_offset(offset)?;
-                let inputs = ranks.fill(seed ^ 0x1a7e ^ ((call as u64) << 40) ^ (n as u64), n)?;
-                ranks.launch_all(f, n, LANE_EAGER)?;
-                ranks.wait()?;
-                ranks.check(
-                    &format!("eager call {call} of {n} values at offset {offset}"),
-                    &inputs,
-                )?;
-            }
-        }
-        ranks.set_offset(0)?;
+        let sizes = [pass + 1, 2 * pass + per - 1, 3 * pass + 5, whole - 3, whole];
+        eager_calls(&mut ranks, f, sizes, &[0, 1], seed ^ 0x1a7e)?;
         if k == 2 {
             let execs = (0..k)
                 .map(|r| ranks.capture(f, r, whole, 2))
