@@ -210,10 +210,10 @@ impl<T: OneShotElement + SuiteElem> LocalOneShot<T> {
             inputs.len(),
             self.k
         );
-        let (max, offset) = (self.max_elems(), self.offset);
+        let (max, lead) = (self.max_elems(), self.lead());
         for (d, v) in self.data.iter_mut().zip(&inputs) {
             ensure!(v.len() <= max, "{} values in one slot", v.len());
-            let mut host = vec![Self::guard(); GUARD + offset];
+            let mut host = vec![Self::guard(); lead];
             host.extend_from_slice(v);
             host.extend(std::iter::repeat_n(Self::guard(), GUARD));
             d.copy_prefix_from_host(&host)?;

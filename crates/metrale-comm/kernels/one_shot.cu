@@ -159,11 +159,6 @@ __device__ __forceinline__ unsigned int os_ld32(const unsigned int* addr)
     return *reinterpret_cast<const volatile unsigned int*>(addr);
 }
 
-__device__ __forceinline__ unsigned long long os_ld64(const unsigned long long* addr)
-{
-    return *reinterpret_cast<const volatile unsigned long long*>(addr);
-}
-
 __device__ __forceinline__ uint4 os_ld(unsigned long long addr)
 {
     uint4 v;
@@ -413,9 +408,17 @@ __device__ __forceinline__ OsGot os_wait(unsigned long long src, uint4 v, OsCtrl
     return OsGot{v, true};
 }
 
-// The first loads of unit `u` from the q-th peers (rank order, without
-// this rank) for q in [g, g + G), issued together; +0 words for q past the
-// last peer.
+// Where unit `u` of the q-th peer (rank order, without this rank) lands in
+// this rank's buffer, for q + 1 < world.
+__device__ __forceinline__ unsigned long long os_src(const OsCall& c, unsigned int q,
+                                                     unsigned int u)
+{
+    const unsigned int p = q < c.rank ? q : q + 1u;
+    return c.mine + (p * c.slot + u * 16u);
+}
+
+// The first loads of unit `u` from the q-th peers for q in [g, g + G),
+// issued together; +0 words for q past the last peer.
 template <int G>
 __device__ __forceinline__ void os_issue(const OsCall& c, unsigned int u, int g, uint4 (&v)[G])
 {
@@ -423,8 +426,7 @@ __device__ __forceinline__ void os_issue(const OsCall& c, unsigned int u, int g,
     for (int j = 0; j < G; ++j) {
         const unsigned int q = (unsigned int)(g + j);
         if (q + 1u < c.world) {
-            const unsigned int p = q < c.rank ? q : q + 1u;
-            v[j] = os_ld(c.mine + (p * c.slot + u * 16u));
+            v[j] = os_ld(os_src(c, q, u));
         } else {
             v[j] = make_uint4(0u, 0u, 0u, 0u);
         }
@@ -469,8 +471,7 @@ __device__ __forceinline__ bool os_finish(const OsCall& c, typename E::Bits* dat
                 os_acc<E>(acc, o);
             }
             if (q + 1u < c.world) {
-                const unsigned int p = q < c.rank ? q : q + 1u;
-                const unsigned long long src = c.mine + (p * c.slot + u * 16u);
+                const unsigned long long src = os_src(c, q, u);
                 uint4 x = w[j];
                 if (!os_arrived(x)) {
                     const OsGot got = os_wait(src, x, c.ctrl, *c.t0);

@@ -725,26 +725,23 @@ impl Inner {
         if self.health.is_poisoned() {
             return Err(self.own_or_poisoned(op, seq));
         }
-        let verdict = {
-            let verdict = match ticket.comm.async_error() {
-                Ok(()) if self.generation.load(Ordering::Acquire) != ticket.generation => {
-                    Verdict::Aborted
-                }
-                // A one-shot kernel that gave up (its own deadline) completes
-                // its event too: its status says it holds no sum.
-                Ok(()) => self
-                    .one_shot_failure()
-                    .map_or(Verdict::Good, Verdict::Failed),
-                Err(nccl_safe::Error::Aborted { .. }) => Verdict::Aborted,
-                Err(e) => Verdict::Failed(FailureKind::AsyncError(e)),
-            };
-            if let Verdict::Good = verdict {
-                self.watched.lock().mark_good(ticket.stream, seq);
+        let verdict = match ticket.comm.async_error() {
+            Ok(()) if self.generation.load(Ordering::Acquire) != ticket.generation => {
+                Verdict::Aborted
             }
-            verdict
+            // A one-shot kernel that gave up (its own deadline) completes its
+            // event too: its status says it holds no sum.
+            Ok(()) => self
+                .one_shot_failure()
+                .map_or(Verdict::Good, Verdict::Failed),
+            Err(nccl_safe::Error::Aborted { .. }) => Verdict::Aborted,
+            Err(e) => Verdict::Failed(FailureKind::AsyncError(e)),
         };
         match verdict {
-            Verdict::Good => Ok(()),
+            Verdict::Good => {
+                self.watched.lock().mark_good(ticket.stream, seq);
+                Ok(())
+            }
             Verdict::Aborted => Err(self.aborted(op, ticket)),
             Verdict::Failed(kind) => {
                 let (first_op, first_seq) = self
