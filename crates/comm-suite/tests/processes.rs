@@ -45,6 +45,7 @@ const TWO_RANKS: &[&str] = &[
     "oneshot_streams",
     "oneshot_stuck_rank",
     "oneshot_concurrent_graphs",
+    "oneshot_split",
     "oneshot_ipc_one_device",
     "rel_skipped_collective",
     "rel_injected_hang",
@@ -71,6 +72,7 @@ const THREE_RANKS: &[&str] = &[
     "api_all_to_all",
     "api_split_concurrent",
     "oneshot_sizes",
+    "oneshot_split",
 ];
 
 /// The one-shot scenarios run again with eight rank processes (the most

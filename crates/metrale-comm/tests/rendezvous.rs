@@ -571,6 +571,74 @@ fn file_rendezvous_four_ranks() -> Result<()> {
     Ok(())
 }
 
+/// Groups of four ranks (`world`, in rank order): the even and the odd
+/// ranks, every rank in reverse order, and the reversed group's pairs (a
+/// group's group). Every group and the world exchange ids of the same
+/// generations and pass barriers of the same names at once, each meeting
+/// only its own members (a shared key would hand some rank another
+/// group's id); then, with every world rendezvous gone (rank 0's served
+/// the store), the reversed group still meets. A member outside its group
+/// is a bad spec.
+fn groups_meet_apart(world: Vec<Box<dyn Rendezvous>>) -> Result<()> {
+    let n = world.len();
+    let mut parity: [Vec<Box<dyn Rendezvous>>; 2] = Default::default();
+    let mut reversed: Vec<Box<dyn Rendezvous>> = Vec::new();
+    for rv in world.iter().rev() {
+        let r = rv.rank();
+        parity[r % 2].push(rv.group(&format!("parity {}", r % 2), r / 2, n / 2, T)?);
+        reversed.push(rv.group("reversed", n - 1 - r, n, T)?);
+    }
+    assert!(matches!(
+        world[0].group("outside", 2, 2, T),
+        Err(RendezvousError::BadSpec(_))
+    ));
+    let mut pairs: [Vec<Box<dyn Rendezvous>>; 2] = Default::default();
+    for (m, rv) in reversed.iter().enumerate() {
+        assert_eq!((rv.rank(), rv.world_size()), (m, n));
+        pairs[m / 2].push(rv.group(&format!("pair {}", m / 2), m % 2, 2, T)?);
+    }
+    let [even, odd] = parity;
+    let [first, second] = pairs;
+    let drivers: Vec<_> = [world, even, odd, first, second]
+        .into_iter()
+        .map(|ranks| std::thread::spawn(move || drive_ranks(ranks)))
+        .collect();
+    for d in drivers {
+        d.join().expect("a driver panicked")?;
+    }
+    drive_ranks(reversed)
+}
+
+#[test]
+fn tcp_groups_meet_apart_and_keep_the_store() -> Result<()> {
+    let token = Some("tok".to_owned());
+    let rank0 = TcpRendezvous::new(0, 4, loopback0(), token.clone(), T)?;
+    let addr = rank0.local_addr().context("rank 0 serves")?;
+    let mut world: Vec<Box<dyn Rendezvous>> = vec![Box::new(rank0)];
+    for rank in 1..4 {
+        world.push(Box::new(TcpRendezvous::new(
+            rank,
+            4,
+            addr,
+            token.clone(),
+            T,
+        )?));
+    }
+    groups_meet_apart(world)
+}
+
+#[test]
+fn file_groups_meet_apart() -> Result<()> {
+    let dir = temp_dir("file-groups");
+    let mut world: Vec<Box<dyn Rendezvous>> = Vec::new();
+    for rank in 0..4 {
+        world.push(Box::new(FileRendezvous::new(rank, 4, dir.clone())?));
+    }
+    groups_meet_apart(world)?;
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
 #[test]
 fn url_rendezvous_tcp_and_file() -> Result<()> {
     let rank0 = TcpRendezvous::new(0, 2, loopback0(), None, T)?;

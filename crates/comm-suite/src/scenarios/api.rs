@@ -16,18 +16,13 @@ use half::{bf16, f16};
 use metrale_comm::{AllReducePath, CommBackend, FastPathPolicy, Group, NcclBackend};
 use nccl_safe::{DeviceBuffer, Stream};
 
+use super::exact;
 use crate::RankCtx;
 use crate::data::{
     POISON_BYTE, SuiteElem, all_reduce_reference, check, random_vec, sum_in_rank_order,
 };
 
 const WAIT: Duration = Duration::from_secs(60);
-
-/// Reductions of f16 and f32 may round in another order than rank order on
-/// GPUs with more than 2 ranks.
-fn exact(ctx: &RankCtx) -> bool {
-    ctx.world_size <= 2 || !ctx.on_gpu()
-}
 
 fn reduce_typed<T: SuiteElem>(
     ctx: &RankCtx,

@@ -17,6 +17,7 @@ use metrale_comm::{
 };
 use nccl_safe::{DataType, DeviceBuffer, DeviceView, DeviceViewMut, Stream};
 
+use super::exact;
 use crate::RankCtx;
 use crate::data::{
     POISON_BYTE, SuiteElem, all_reduce_reference, check, hash, random_vec, size_name,
@@ -95,10 +96,6 @@ fn op_counts(on_gpu: bool, world_size: usize) -> Vec<usize> {
         v.truncate(14);
     }
     v
-}
-
-fn exact(ctx: &RankCtx) -> bool {
-    ctx.world_size <= 2 || !ctx.on_gpu()
 }
 
 /// all_reduce at every sweep size, with the fast path always and never,
@@ -750,9 +747,46 @@ pub fn engine_flow(ctx: &RankCtx) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A backend over a fixed unique id, and its split, asked for the one-shot
+/// path: off on every rank with the reason (no store to meet in at its
+/// release), and `inputs` (of every rank) still sum right.
+fn fixed_id_one_shot_off(ctx: &RankCtx, inputs: &[Vec<bf16>]) -> anyhow::Result<()> {
+    let (w, r) = (ctx.world_size, ctx.rank);
+    ctx.step("the one-shot path over a fixed unique id");
+    let id = ctx.unique_id("fixed-id one-shot")?;
+    let cfg = ctx.config().with_one_shot(OneShotPolicy::DEFAULT);
+    let b = NcclBackend::with_unique_id(cfg, &id, r, w)?;
+    let child = b
+        .split_backend(Some(0), r)?
+        .context("a split with a color got no sub-communicator")?;
+    for (what, x) in [("a fixed id", &b), ("its split", &child)] {
+        let why = x.one_shot_unavailable().unwrap_or_default();
+        ensure!(
+            why.contains("no rendezvous store"),
+            "{what}: the one-shot path's reason is `{why}`"
+        );
+        ensure!(x.all_reduce_path(2) != AllReducePath::OneShot);
+        let mut buf = DeviceBuffer::from_host(x.context(), &inputs[r])?;
+        x.all_reduce(buf.view_mut())?;
+        x.synchronize()?;
+        check(
+            &format!("all_reduce over {what} without the one-shot path"),
+            &buf.to_host_vec()?,
+            &sum_in_rank_order(inputs),
+            exact(ctx),
+            w,
+        )?;
+    }
+    ctx.barrier("fixed-id one-shot: before shutdown")?;
+    child.shutdown()?;
+    b.shutdown()?;
+    Ok(())
+}
+
 /// A backend built from a unique id the engine distributed itself works,
 /// and refuses to reconnect with an error naming why (then stays poisoned
-/// with that cause).
+/// with that cause); asked for the one-shot path, it and its split go
+/// without it.
 pub fn fixed_unique_id(ctx: &RankCtx) -> anyhow::Result<()> {
     let seed = ctx.shared_seed("fixed-id")?;
     let (w, r) = (ctx.world_size, ctx.rank);
@@ -775,6 +809,9 @@ pub fn fixed_unique_id(ctx: &RankCtx) -> anyhow::Result<()> {
         exact(ctx),
         w,
     )?;
+    if (2..=8).contains(&w) {
+        fixed_id_one_shot_off(ctx, &inputs)?;
+    }
     ctx.barrier("fixed-id reduced")?;
     ctx.step("attempt_reconnect without a rendezvous");
     let err = match b.attempt_reconnect() {

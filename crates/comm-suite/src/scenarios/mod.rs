@@ -10,12 +10,20 @@ pub mod integrity;
 pub mod oneshot;
 pub mod oneshot_ipc;
 pub mod oneshot_kernel;
+pub mod oneshot_split;
 pub mod reliability;
 pub mod safe;
 pub mod scale;
 pub mod turns;
 
 use crate::{Needs, Scenario};
+
+/// Whether NCCL's reductions must match the rank-order reference bit for
+/// bit: NCCL may round in another order than rank order on GPUs with more
+/// than 2 ranks (the emulator adds in rank order).
+pub(crate) fn exact(ctx: &crate::RankCtx) -> bool {
+    ctx.world_size <= 2 || !ctx.on_gpu()
+}
 
 const fn s(
     name: &'static str,
@@ -229,6 +237,15 @@ pub fn all() -> Vec<Scenario> {
             &[2],
             Nothing,
             oneshot::concurrent_graphs,
+        ),
+        s(
+            "oneshot_split",
+            "one-shot all-reduce on split sub-communicators (reversed, by parity, a split's split) and after the parent's reconnect and shutdown",
+            2,
+            Some(8),
+            &[2, 3, 4, 8],
+            Nothing,
+            oneshot_split::split,
         ),
         s(
             "oneshot_kernel_one_device",

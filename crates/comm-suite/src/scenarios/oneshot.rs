@@ -61,7 +61,7 @@ const SIZES: &[usize] = &[
 /// slot for both types (262 144 f32 or 524 288 f16 values fill it).
 const TYPED_SIZES: &[usize] = &[1, 2, 3, 9, 255, 4097, 65_535, (1 << 18) + 3, (1 << 19) + 3];
 
-fn one_shot_config(ctx: &RankCtx, policy: OneShotPolicy) -> BackendConfig {
+pub(super) fn one_shot_config(ctx: &RankCtx, policy: OneShotPolicy) -> BackendConfig {
     ctx.config()
         .with_one_shot(policy)
         .with_fast_path(FastPathPolicy::Never)
@@ -69,7 +69,11 @@ fn one_shot_config(ctx: &RankCtx, policy: OneShotPolicy) -> BackendConfig {
 
 /// The backend, or a skip when the path is off on this machine (GPUs
 /// without peer access); on the emulator the path must be on.
-fn one_shot_backend(ctx: &RankCtx, name: &str, cfg: BackendConfig) -> anyhow::Result<NcclBackend> {
+pub(super) fn one_shot_backend(
+    ctx: &RankCtx,
+    name: &str,
+    cfg: BackendConfig,
+) -> anyhow::Result<NcclBackend> {
     let b = ctx.backend(name, cfg)?;
     if let Some(why) = b.one_shot_unavailable() {
         if ctx.on_gpu() {
@@ -95,6 +99,24 @@ fn check_sum<T: OneShotElement + SuiteElem>(
     got: &[T],
     inputs: impl Fn(usize) -> Vec<T>,
 ) -> anyhow::Result<()> {
+    check_in(ctx, None, what, got, inputs)
+}
+
+/// [`check_sum`] on a sub-communicator whose rank `c` is the suite's rank
+/// `members[c]` (`None`: the whole world; `inputs` takes the suite's
+/// ranks): every element against the reference on every rank, which makes
+/// the group's outputs bit-identical.
+pub(super) fn check_in<T: OneShotElement + SuiteElem>(
+    ctx: &RankCtx,
+    members: Option<&[usize]>,
+    what: &str,
+    got: &[T],
+    inputs: impl Fn(usize) -> Vec<T>,
+) -> anyhow::Result<()> {
+    if let Some(m) = members {
+        let want = one_shot_reference(m.len(), |c| inputs(m[c]));
+        return check(what, got, &want, true, m.len());
+    }
     if ctx.rank == 0 || got.len() <= 1 << 16 {
         let want = one_shot_reference(ctx.world_size, inputs);
         check(what, got, &want, true, ctx.world_size)?;
@@ -115,9 +137,9 @@ pub fn sizes(ctx: &RankCtx) -> anyhow::Result<()> {
         one_shot_config(ctx, OneShotPolicy::Always),
     )?;
     let compute = Stream::new(b.context())?;
-    sweep::<bf16>(ctx, &b, &compute, seed, SIZES)?;
-    sweep::<f16>(ctx, &b, &compute, seed, TYPED_SIZES)?;
-    sweep::<f32>(ctx, &b, &compute, seed, TYPED_SIZES)?;
+    sweep::<bf16>(ctx, (&b, None), &compute, seed, SIZES)?;
+    sweep::<f16>(ctx, (&b, None), &compute, seed, TYPED_SIZES)?;
+    sweep::<f32>(ctx, (&b, None), &compute, seed, TYPED_SIZES)?;
     signed_zeros::<bf16>(ctx, &b)?;
     signed_zeros::<f16>(ctx, &b)?;
     signed_zeros::<f32>(ctx, &b)?;
@@ -125,19 +147,21 @@ pub fn sizes(ctx: &RankCtx) -> anyhow::Result<()> {
     no_mapping_left(ctx, "oneshot-sizes")
 }
 
-/// The sweep of `sizes` in `T` (see [`sizes`]).
-fn sweep<T: OneShotElement + SuiteElem>(
+/// The sweep of `sizes` in `T` (see [`sizes`]) on `b`, the whole world's
+/// backend or a sub-communicator's (with its members, as in [`check_in`]).
+pub(super) fn sweep<T: OneShotElement + SuiteElem>(
     ctx: &RankCtx,
-    b: &NcclBackend,
+    (b, members): (&NcclBackend, Option<&[usize]>),
     compute: &Stream,
     seed: u64,
     sizes: &[usize],
 ) -> anyhow::Result<()> {
     let dtype = T::DATA_TYPE;
+    let ranks = members.map_or(ctx.world_size, <[usize]>::len);
     for (si, &n) in sizes.iter().enumerate() {
         let big = n * dtype.size() > 2 << 20;
         for mode in ["eager", "async", "captured"] {
-            if big && mode == "async" && ctx.world_size > 2 {
+            if big && mode == "async" && ranks > 2 {
                 continue;
             }
             let salt = (si as u64) << 8 | mode.len() as u64 | (dtype.size() as u64) << 48;
@@ -176,15 +200,14 @@ fn sweep<T: OneShotElement + SuiteElem>(
                             .with_context(|| what.clone())?;
                         ensure!(b.is_healthy(), "{what}: unhealthy after replay {replay}");
                         let got = buf.to_host_vec()?;
-                        check_sum(ctx, &format!("{what}, replay {replay}"), &got, |k| {
-                            input(k, salt)
-                        })?;
+                        let what = format!("{what}, replay {replay}");
+                        check_in(ctx, members, &what, &got, |k| input(k, salt))?;
                     }
                     continue;
                 }
             }
             let got = buf.to_host_vec()?;
-            check_sum(ctx, &what, &got, |k| input(k, salt))?;
+            check_in(ctx, members, &what, &got, |k| input(k, salt))?;
         }
     }
     Ok(())

@@ -105,7 +105,10 @@ impl Inner {
 }
 
 impl NcclBackend {
-    /// See [`crate::CommBackend::split`].
+    /// See [`crate::CommBackend::split`]. The sub-communicator has the
+    /// one-shot path as its parent has (its group meets in the parent's
+    /// store, [`crate::rendezvous::Rendezvous::group`]); it does not
+    /// reconnect by itself: the parent reconnects and splits again.
     pub fn split_backend(&self, color: Option<u32>, key: usize) -> Result<Option<NcclBackend>> {
         const OP: &str = "split";
         let inner = &*self.inner;
@@ -128,6 +131,15 @@ impl NcclBackend {
             .comm(OP)
             .map_err(|source| CommError::Refused { op: OP, source })?;
         let seq = inner.recorder.record(OP, "-", 0, 0, None);
+        // Every rank splits in the same order (NCCL requires it), so the
+        // count and the generation name the sub-communicator's group alike
+        // on all its ranks.
+        let group = format!(
+            "split {}.{} color {}",
+            inner.generation.load(Ordering::Acquire),
+            inner.splits.fetch_add(1, Ordering::Relaxed) + 1,
+            color.unwrap_or(-1)
+        );
         let child = inner.in_nccl(seq, inner.since_born_us(), || comm.split(color, key));
         drop(slot);
         let child = match child {
@@ -139,11 +151,21 @@ impl NcclBackend {
             Err(e) => return Err(inner.fail(OP, seq, e)),
         };
         let (rank, world) = (child.rank(), child.count());
+        // The group's own rendezvous in the parent's store, for the one-shot
+        // path's release barrier. A rank without one still takes part in
+        // the set-up's exchanges (with a failed record), so the ranks'
+        // collectives match.
+        let store = inner.store.as_ref().and_then(|rv| {
+            rv.group(&group, rank, world, inner.config.init_timeout)
+                .map(Arc::from)
+                .inspect_err(|e| tracing::warn!(rank = inner.rank, "split: {e}"))
+                .ok()
+        });
         let child_inner = Inner::new(
             inner.config.clone(),
-            rank,
-            world,
+            (rank, world),
             None,
+            store,
             Some(inner.ctx.clone()),
         )?;
         {

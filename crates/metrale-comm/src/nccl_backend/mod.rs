@@ -111,7 +111,15 @@ struct Inner {
     config: BackendConfig,
     ctx: Arc<Context>,
     /// How reconnects agree on a new id; `None` for a split communicator.
-    rendezvous: Option<Box<dyn Rendezvous>>,
+    rendezvous: Option<Arc<dyn Rendezvous>>,
+    /// Where this backend's ranks meet at host barriers (the one-shot
+    /// release): the rendezvous, or for a split communicator its group's
+    /// rendezvous in the parent's store; `None` where there is no store.
+    store: Option<Arc<dyn Rendezvous>>,
+    /// Splits of this backend so far: with the generation, they name a
+    /// sub-communicator's group in the store (every rank splits in the same
+    /// order, as NCCL requires).
+    splits: AtomicU64,
     slot: Mutex<Slot>,
     /// Signalled when a thread's group ends, for threads waiting to submit.
     group_closed: Condvar,
@@ -178,7 +186,9 @@ impl NcclBackend {
     pub fn new(config: BackendConfig, rendezvous: Box<dyn Rendezvous>) -> Result<NcclBackend> {
         let rank = rendezvous.rank();
         let world_size = rendezvous.world_size();
-        let inner = Inner::new(config, rank, world_size, Some(rendezvous), None)?;
+        let rendezvous: Arc<dyn Rendezvous> = Arc::from(rendezvous);
+        let store = rendezvous.has_store().then(|| Arc::clone(&rendezvous));
+        let inner = Inner::new(config, (rank, world_size), Some(rendezvous), store, None)?;
         {
             let mut slot = inner.slot.lock();
             inner
@@ -319,13 +329,12 @@ impl NcclBackend {
 
 impl Inner {
     /// The shared state of a backend for `rank` of `world_size` on
-    /// `config.device`; `comm` adopts a communicator made elsewhere (a
-    /// split), else `connect` makes one.
+    /// `config.device`, in `ctx` when given (a split's, its parent's).
     fn new(
         config: BackendConfig,
-        rank: usize,
-        world_size: usize,
-        rendezvous: Option<Box<dyn Rendezvous>>,
+        (rank, world_size): (usize, usize),
+        rendezvous: Option<Arc<dyn Rendezvous>>,
+        store: Option<Arc<dyn Rendezvous>>,
         ctx: Option<Arc<Context>>,
     ) -> Result<Arc<Inner>> {
         // The same precedence whatever the entry point: the code's
@@ -358,6 +367,8 @@ impl Inner {
             config,
             ctx,
             rendezvous,
+            store,
+            splits: AtomicU64::new(0),
             slot: Mutex::new(slot),
             group_closed: Condvar::new(),
             abort: Mutex::new(None),

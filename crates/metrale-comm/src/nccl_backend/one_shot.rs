@@ -54,8 +54,12 @@
 //!   that does not come by the deadline) the receive buffer is leaked with
 //!   a log line rather than freed under a peer's mapping; the control block
 //!   and pinned words too if this rank's own work did not drain. A backend
-//!   without a store (split sub-communicators, a fixed unique id) does not
-//!   set the path up.
+//!   without a store (a fixed unique id) takes part in the set-up with a
+//!   failed record, so the path is off on every rank; a split
+//!   sub-communicator meets its group in its parent's store
+//!   ([`crate::rendezvous::Rendezvous::group`]). A release owes the
+//!   barrier only where every rank's first record was good: otherwise no
+//!   rank mapped a peer's buffer, and the buffers are freed at once.
 //! - Graphs that captured a one-shot must not be replayed after a
 //!   reconnect or shutdown (their control block is gone), as with NCCL's
 //!   captured collectives on a destroyed communicator.
@@ -150,7 +154,8 @@ pub(super) struct OneShot {
     on: bool,
     /// Why it is off.
     off: String,
-    /// The generation whose set-up exchanged records: its release owes the
+    /// The generation whose set-up exchanged good records from every rank
+    /// (so peers may map this rank's buffer): its release owes the
     /// peers a barrier.
     exchanged: Option<u64>,
     /// Recorded after every eager one-shot (see the module docs).
@@ -297,7 +302,7 @@ impl Inner {
         // mappings closed: a host barrier through the rendezvous' store, so
         // no kernel waits for a peer that may be tearing down another
         // communicator (whose teardown waits for this GPU).
-        let unmapped = match (owed, self.rendezvous.as_ref()) {
+        let unmapped = match (owed, self.store.as_ref()) {
             (None, _) => true,
             (Some(generation), Some(rv)) => {
                 match rv.barrier(&format!("one-shot release {generation}"), left()) {

@@ -158,6 +158,21 @@ impl StoreClient {
         Ok(client)
     }
 
+    /// Another client of the same store, with its own connection (so that
+    /// neither waits behind the other's waits) and the same token.
+    pub(crate) fn connect_again(&self, timeout: Duration) -> Result<StoreClient, RendezvousError> {
+        let client = StoreClient {
+            addr: self.addr,
+            token: self.token.clone(),
+            io_timeout: self.io_timeout,
+            nonce: rand::random(),
+            conn: Mutex::new(None),
+        };
+        let live = client.open(proto::after(timeout))?;
+        *client.conn.lock() = Some(live);
+        Ok(client)
+    }
+
     /// The server's address.
     pub fn server_addr(&self) -> SocketAddr {
         self.addr

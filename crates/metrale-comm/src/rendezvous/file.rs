@@ -5,7 +5,9 @@
 //! (named by rank, process and a counter, so writers never collide) and
 //! renames it over the key, so a reader sees either nothing or the whole
 //! value. A get polls for the file (2 ms sleeps) until its deadline. A
-//! barrier writes one file per rank and waits for all of them. The directory
+//! barrier writes one file per rank and waits for all of them. Keys live
+//! under `metrale/`, a group's ([`Rendezvous::group`]) under
+//! `metrale/group/{name}/` in the same directory. The directory
 //! must be fresh for each job: stale files of an earlier job would be read
 //! as this job's.
 
@@ -16,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::{
     BarrierCounters, ID_LEN, Rendezvous, RendezvousError, check_rank, deadline_after,
-    exchange_id_via, uid_key,
+    exchange_id_via, group_namespace, uid_key,
 };
 
 const POLL: Duration = Duration::from_millis(2);
@@ -27,6 +29,8 @@ pub struct FileRendezvous {
     rank: usize,
     world_size: usize,
     dir: PathBuf,
+    /// The prefix of every key.
+    namespace: String,
     barriers: BarrierCounters,
 }
 
@@ -55,6 +59,7 @@ impl FileRendezvous {
             rank,
             world_size,
             dir,
+            namespace: "metrale/".to_owned(),
             barriers: BarrierCounters::default(),
         })
     }
@@ -127,7 +132,7 @@ impl Rendezvous for FileRendezvous {
     ) -> Result<[u8; ID_LEN], RendezvousError> {
         exchange_id_via(
             self.rank,
-            uid_key("metrale/", generation),
+            uid_key(&self.namespace, generation),
             make,
             |k, v| self.set(k, v),
             |k| self.get(k, timeout),
@@ -137,7 +142,7 @@ impl Rendezvous for FileRendezvous {
     fn barrier(&self, name: &str, timeout: Duration) -> Result<(), RendezvousError> {
         let deadline = deadline_after(timeout);
         let n = self.barriers.next(name);
-        let base = format!("metrale/barrier/{name}/{n}");
+        let base = format!("{}barrier/{name}/{n}", self.namespace);
         self.set(&format!("{base}/rank{}", self.rank), b"1")?;
         for r in 0..self.world_size {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -151,5 +156,21 @@ impl Rendezvous for FileRendezvous {
                 })?;
         }
         Ok(())
+    }
+
+    fn group(
+        &self,
+        name: &str,
+        member: usize,
+        size: usize,
+        _timeout: Duration,
+    ) -> Result<Box<dyn Rendezvous>, RendezvousError> {
+        Ok(Box::new(FileRendezvous {
+            rank: member,
+            world_size: size,
+            dir: self.dir.clone(),
+            namespace: group_namespace(&self.namespace, name, member, size)?,
+            barriers: BarrierCounters::default(),
+        }))
     }
 }

@@ -3,7 +3,8 @@
 //!
 //! Invariant: it can agree on generation 0 only; a reconnect needs a fresh id
 //! that all ranks learn, which this rendezvous cannot provide, so later
-//! generations and barriers are refused with `RendezvousError::BadSpec`.
+//! generations and barriers are refused with `RendezvousError::BadSpec`,
+//! and groups with `RendezvousError::Unsupported`.
 
 use std::time::Duration;
 
@@ -91,6 +92,10 @@ mod tests {
             Err(RendezvousError::BadSpec(_))
         ));
         assert!(rv.barrier("b", Duration::ZERO).is_err());
+        assert!(matches!(
+            rv.group("g", 0, 1, Duration::ZERO),
+            Err(RendezvousError::Unsupported(_))
+        ));
         assert!(FixedIdRendezvous::new(2, 2, id).is_err());
     }
 }

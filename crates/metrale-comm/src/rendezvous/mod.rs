@@ -12,7 +12,9 @@
 //! `metrale/{run id}/attempt_{restart}/`); the id of generation `g` lives
 //! under `{namespace}uid/{g}` and is written once, by rank 0; a barrier name
 //! may be reused, each use getting its own keys through a per-name counter
-//! that advances identically on every rank; every wait is bounded by a
+//! that advances identically on every rank; a group's rendezvous
+//! ([`Rendezvous::group`]: a sub-communicator's ranks) keeps its keys under
+//! `{namespace}group/{name}/` of the same store; every wait is bounded by a
 //! caller-given timeout.
 
 mod client;
@@ -96,6 +98,10 @@ pub enum RendezvousError {
         /// What to do.
         hint: String,
     },
+    /// What was asked needs something this rendezvous does not have (a
+    /// store, for a fixed unique id).
+    #[error("unsupported by this rendezvous: {0}")]
+    Unsupported(String),
     /// The launcher's variables are missing or contradictory.
     #[error(transparent)]
     Launch(#[from] LaunchError),
@@ -136,6 +142,41 @@ pub trait Rendezvous: Send + Sync + std::fmt::Debug {
     fn has_store(&self) -> bool {
         true
     }
+    /// A rendezvous for a group of `size` of these ranks, this rank being
+    /// the group's rank `member` (a sub-communicator's ranks): its ids and
+    /// barriers live in the same store, under keys of the group's own,
+    /// named by `name`, which every member passes and no other group of
+    /// this rendezvous uses; it keeps the store alive while it lives.
+    /// Connecting to the store is bounded by `timeout`. A rendezvous with
+    /// no store to meet in answers [`RendezvousError::Unsupported`].
+    fn group(
+        &self,
+        name: &str,
+        member: usize,
+        size: usize,
+        timeout: Duration,
+    ) -> Result<Box<dyn Rendezvous>, RendezvousError> {
+        let _ = (member, size, timeout);
+        Err(RendezvousError::Unsupported(format!(
+            "group `{name}`: this rendezvous has no store to meet in"
+        )))
+    }
+}
+
+/// The namespace of the group `name` under `namespace`, after checking
+/// that `member` is one of its `size` ranks.
+pub(crate) fn group_namespace(
+    namespace: &str,
+    name: &str,
+    member: usize,
+    size: usize,
+) -> Result<String, RendezvousError> {
+    if size == 0 || member >= size {
+        return Err(RendezvousError::BadSpec(format!(
+            "group `{name}`: member {member} of {size}"
+        )));
+    }
+    Ok(format!("{namespace}group/{name}/"))
 }
 
 /// The instant `timeout` from now, saturating instead of overflowing (a

@@ -10,8 +10,12 @@
 //! rank's key in one `WAIT`: only idempotent queries, so a client may send
 //! them again after a lost connection. Rank 0 must keep its rendezvous
 //! alive while others use its store (end with a barrier before dropping it).
+//! A group's rendezvous ([`Rendezvous::group`]) is a client of the same
+//! store on a connection of its own, under `{ns}group/{name}/`; rank 0's
+//! store lives until its rendezvous and every group made from it are gone.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::client::{StoreClient, reachable};
@@ -19,7 +23,7 @@ use super::launcher::{Launch, Launcher, StoreRole, bind_addr};
 use super::server::StoreServer;
 use super::{
     BarrierCounters, ID_LEN, Rendezvous, RendezvousError, TOKEN_ENV, check_rank, exchange_id_via,
-    uid_key,
+    group_namespace, uid_key,
 };
 
 /// The namespace of a rendezvous that names none.
@@ -32,7 +36,7 @@ pub struct TcpRendezvous {
     world_size: usize,
     namespace: String,
     client: StoreClient,
-    server: Option<StoreServer>,
+    server: Option<Arc<StoreServer>>,
     barriers: BarrierCounters,
 }
 
@@ -139,7 +143,7 @@ impl TcpRendezvous {
             Some(bind) => {
                 let server = StoreServer::bind(bind, token.clone())?;
                 let local = reachable(server.local_addr());
-                (Some(server), local)
+                (Some(Arc::new(server)), local)
             }
             None => (None, addr),
         };
@@ -158,7 +162,7 @@ impl TcpRendezvous {
     /// The address rank 0's store listens on (`None` where this rank
     /// serves nothing).
     pub fn local_addr(&self) -> Option<SocketAddr> {
-        self.server.as_ref().map(StoreServer::local_addr)
+        self.server.as_deref().map(StoreServer::local_addr)
     }
 
     /// The store client, for callers that need raw keys.
@@ -213,5 +217,23 @@ impl Rendezvous for TcpRendezvous {
             },
             other => other,
         })
+    }
+
+    fn group(
+        &self,
+        name: &str,
+        member: usize,
+        size: usize,
+        timeout: Duration,
+    ) -> Result<Box<dyn Rendezvous>, RendezvousError> {
+        let namespace = group_namespace(&self.namespace, name, member, size)?;
+        Ok(Box::new(TcpRendezvous {
+            rank: member,
+            world_size: size,
+            namespace,
+            client: self.client.connect_again(timeout)?,
+            server: self.server.clone(),
+            barriers: BarrierCounters::default(),
+        }))
     }
 }

@@ -61,7 +61,7 @@ struct Record {
     recv: u64,
     slot_bytes: u64,
     handle: [u8; 64],
-    /// Why it failed (at most 40 bytes are exchanged).
+    /// Why it failed (its first 24 bytes are exchanged).
     why: String,
 }
 
@@ -197,12 +197,6 @@ impl Inner {
                 "{} ranks (the one-shot path serves 2 to 8)",
                 self.world_size
             ))
-        } else if !self.rendezvous.as_ref().is_some_and(|r| r.has_store()) {
-            Some(
-                "no rendezvous store (a split sub-communicator or a fixed unique id): \
-                 the peer buffers could not be released in order"
-                    .to_string(),
-            )
         } else {
             None
         };
@@ -211,7 +205,14 @@ impl Inner {
             return Ok(());
         }
         let slot_bytes = slot_bytes_for(policy);
-        let mut mine = match self.one_shot_prepare(slot, slot_bytes) {
+        // Whether a store is there can differ between ranks (a split whose
+        // group could not reach the parent's store): a rank without one
+        // takes part with a failed record, so the exchanges match.
+        let prepared = match self.store {
+            None => Err("no rendezvous store".to_string()),
+            Some(_) => self.one_shot_prepare(slot, slot_bytes),
+        };
+        let mut mine = match prepared {
             Ok((live, record)) => {
                 slot.one_shot.live = Some(live);
                 record
@@ -221,7 +222,14 @@ impl Inner {
         mine.ok = mine.why.is_empty();
         // Exchange 1: what every rank exports.
         let records = self.one_shot_exchange(slot, &mine, deadline)?;
-        slot.one_shot.exchanged = Some(self.generation.load(Ordering::Acquire));
+        // A peer maps this rank's buffer only once every record is good:
+        // only then does the release owe the peers a barrier. Otherwise no
+        // rank maps anything, and this rank's buffers go now.
+        if records.iter().all(|r| r.ok) {
+            slot.one_shot.exchanged = Some(self.generation.load(Ordering::Acquire));
+        } else {
+            self.one_shot_release(slot, deadline);
+        }
         let mut verdict = match verdicts(&records) {
             Ok(()) => self.one_shot_map(slot, &records),
             Err(why) => Err(format!("set-up failed ({why})")),
