@@ -160,6 +160,7 @@ pub(super) fn generate(seed: u64, world: usize) -> Program {
                 Policy::OneShotAlways,
             ][g.below(6)],
             blocking: g.chance(2, 3),
+            split: g.chance(1, 4),
         })
         .collect();
     let streams = 1 + g.below(3);

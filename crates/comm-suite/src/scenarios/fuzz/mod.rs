@@ -3,7 +3,8 @@
 //! Each program is drawn from a seed: 1-3 backends (the fast path always,
 //! never, by default, or always in small chunks; the one-shot path by its
 //! default range beside the fast path's, or at every size; blocking or
-//! non-blocking communicators), 1-3 caller streams, 1-4 threads per rank
+//! non-blocking communicators; a world backend or one split from it,
+//! every rank in rank order), 1-3 caller streams, 1-4 threads per rank
 //! sharing the backends, and a list of steps: `all_reduce` and
 //! `all_reduce_async` on a caller stream (bf16, f16, f32), `all_gather`,
 //! `reduce_scatter`, `broadcast`, `all_to_all`, `all_to_all_v`, `barrier`,

@@ -51,6 +51,10 @@ impl Policy {
 pub(super) struct BackendSpec {
     pub policy: Policy,
     pub blocking: bool,
+    /// The backend is a split of a world backend of the same
+    /// configuration (every rank, in rank order): a sub-communicator,
+    /// which meets its group in the parent's store.
+    pub split: bool,
 }
 
 impl BackendSpec {
@@ -97,7 +101,12 @@ impl fmt::Display for BackendSpec {
         } else {
             "non-blocking"
         };
-        write!(f, "{policy}, {mode}")
+        let split = if self.split {
+            ", split from a world backend"
+        } else {
+            ""
+        };
+        write!(f, "{policy}, {mode}{split}")
     }
 }
 

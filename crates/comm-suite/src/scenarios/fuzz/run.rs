@@ -14,6 +14,8 @@
 //!   of a healthy backend, is a failure of the program.
 //! - Every rank passes the same teardown barrier, so the ranks start the
 //!   next program together.
+//! - A split backend's parent (a world backend of its configuration) is
+//!   shut down after every program backend, within the same bound.
 
 use std::time::{Duration, Instant};
 
@@ -57,8 +59,21 @@ pub(super) fn run_program(
     tag: &str,
 ) -> Result<(), String> {
     let mut backends = Vec::with_capacity(prog.backends.len());
+    // The world backends that split ones were split from, shut down after
+    // them.
+    let mut parents = Vec::new();
     for (k, spec) in prog.backends.iter().enumerate() {
-        match ctx.backend(&format!("{tag}-b{k}"), spec.config(ctx)) {
+        let built = ctx
+            .backend(&format!("{tag}-b{k}"), spec.config(ctx))
+            .and_then(|b| {
+                if !spec.split {
+                    return Ok(b);
+                }
+                let child = b.split_backend(Some(0), ctx.rank)?;
+                parents.push(b);
+                child.ok_or_else(|| anyhow::anyhow!("a split with a color returned none"))
+            });
+        match built {
             Ok(b) => {
                 // The emulator's ranks (threads or processes) can always
                 // set the one-shot path up: a fuzzed program that asks for
@@ -138,7 +153,7 @@ pub(super) fn run_program(
                 prog.steps.len()
             ));
             run.turns.stop();
-            for b in &backends {
+            for b in backends.iter().chain(&parents) {
                 let _ = b.shutdown();
             }
         }
@@ -205,6 +220,16 @@ pub(super) fn run_program(
             && healthy
         {
             fails.push(format!("teardown: b{k} shutdown of a healthy backend: {e}"));
+        }
+    }
+    for (k, p) in parents.iter().enumerate() {
+        let t = Instant::now();
+        let r = p.shutdown();
+        let took = t.elapsed();
+        if took > SHUTDOWN_TIMEOUT + SLACK || r.is_err() {
+            fails.push(format!(
+                "teardown: the {k}th split's parent: shutdown took {took:?}: {r:?}"
+            ));
         }
     }
     drop(run);

@@ -267,6 +267,7 @@ mod tests {
         let spec = BackendSpec {
             policy: Policy::Never,
             blocking: true,
+            split: false,
         };
         let p = Program {
             seed: 1,
