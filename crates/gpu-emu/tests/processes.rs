@@ -199,6 +199,15 @@ fn settle(c: ncclComm_t, rc: ncclResult_t) {
     }
 }
 
+/// Waits until `c` leaves `ncclInProgress`, whatever the call returned
+/// (`rc`, which must not be an error).
+fn settle_all(c: ncclComm_t, rc: ncclResult_t) {
+    if rc != ncclResult_t::ncclInProgress {
+        nck(rc);
+    }
+    settle(c, ncclResult_t::ncclInProgress);
+}
+
 /// A collective through a raw call, settled.
 fn run(c: ncclComm_t, f: impl FnOnce() -> ncclResult_t) {
     settle(c, f());
@@ -401,7 +410,11 @@ fn every_operation(r: usize, n: usize, id: ncclUniqueId, seed: u64) {
         )
     }
     .unwrap();
-    settle(child, rc);
+    // A non-blocking parent's split returns before the child exists (as
+    // NCCL 2.28's does): it is there once the parent leaves ncclInProgress.
+    settle_all(comm, rc);
+    assert!(!child.is_null(), "rank {r}: the split left no communicator");
+    settle_all(child, ncclResult_t::ncclInProgress);
     let members: Vec<usize> = (0..n).filter(|k| k % 2 == r % 2).collect();
     let (mut cn, mut me) = (0, -1);
     // SAFETY: valid out-parameters.

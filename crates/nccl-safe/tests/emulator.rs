@@ -329,6 +329,19 @@ fn abort_releases_a_blocking_split_waiting_for_a_peer() {
 
 #[test]
 fn split_groups_ranks_by_color() {
+    split_by_color(false);
+}
+
+/// A non-blocking parent's split: NCCL hands the child over only after the
+/// call returned (the emulator does so too), and `split` waits for it.
+#[test]
+fn split_of_a_non_blocking_communicator_groups_ranks_by_color() {
+    split_by_color(true);
+}
+
+/// Ranks 0 and 2 form one communicator, rank 1 another, rank 3 sits out;
+/// each child reduces with `Max` and is checked.
+fn split_by_color(nonblocking: bool) {
     setup();
     const R: usize = 4;
     let id = UniqueId::new().unwrap();
@@ -347,7 +360,11 @@ fn split_groups_ranks_by_color() {
         ranks(R, move |rank| {
             let ctx = Context::new(rank).unwrap();
             let stream = Stream::new(&ctx).unwrap();
-            let comm = Comm::init_rank(&ctx, &id, R, rank).unwrap();
+            let comm = if nonblocking {
+                Comm::init_rank_with_deadline(&ctx, &id, R, rank, WAIT).unwrap()
+            } else {
+                Comm::init_rank(&ctx, &id, R, rank).unwrap()
+            };
             // Ranks 0 and 2 form one communicator; rank 3 sits out.
             let color = match rank {
                 3 => None,

@@ -3,12 +3,14 @@
 //!
 //! Invariants: a child shares its parent's chain only when the parent's
 //! config sets `splitShare`; a blocking split waits for the child's peers
-//! and ends when the parent is aborted meanwhile.
+//! and ends when the parent is aborted meanwhile; a non-blocking parent's
+//! split returns at once with no communicator, and stores the child once it
+//! is ready, the parent in progress until then (as NCCL 2.28 does).
 
 use std::collections::BTreeMap;
 use std::ffi::c_int;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicPtr, Ordering};
 
 use nccl_sys::{NCCL_SPLIT_NOCOLOR, ncclComm_t, ncclConfig_t, ncclResult_t};
 
@@ -75,8 +77,11 @@ pub unsafe extern "C" fn ncclCommSplit(
             if let Some(c) = &child {
                 COMMS.insert_at(c.id, c.clone());
             }
+            // A non-blocking parent's child is handed over only once it is
+            // ready, by a background thread, as NCCL does.
+            let later = !parent.blocking && !in_group() && child.is_some();
             // SAFETY: `newcomm` is non-null and valid (this function's contract).
-            unsafe { put(newcomm, h) };
+            unsafe { put(newcomm, if later { std::ptr::null_mut() } else { h }) };
             let seq = parent.split_seq.fetch_add(1, Ordering::AcqRel) + 1;
             match world {
                 Peers::Local(w) => meet_local(&w, seq, rank, n, color, key, &child),
@@ -87,6 +92,12 @@ pub unsafe extern "C" fn ncclCommSplit(
             };
             if in_group() {
                 GROUP.with(|g| g.borrow_mut().inits.push(child));
+                return Ok(ncclResult_t::ncclSuccess);
+            }
+            if later {
+                // SAFETY: `newcomm` stays valid until the parent leaves
+                // `ncclInProgress` (NCCL's contract for a non-blocking split).
+                unsafe { hand_over(&parent, child, newcomm) };
                 return Ok(ncclResult_t::ncclSuccess);
             }
             if !blocking {
@@ -104,6 +115,46 @@ pub unsafe extern "C" fn ncclCommSplit(
             Ok(ncclResult_t::ncclSuccess)
         })())
     })
+}
+
+/// A non-blocking parent's split as NCCL 2.28 answers it: the call returns
+/// `ncclSuccess` with `*newcomm` still NULL, and the parent is in progress
+/// (`ncclCommGetAsyncError`) until a background thread, once the child is
+/// ready (or failed, or was aborted with its parent), stores the child in
+/// `*newcomm` (`ncclCommInitRankFunc` in NCCL's `src/init.cc`, whose
+/// `ncclCommSplit` returns the result of `ncclCommInitChildComm` even when
+/// the group it ends is non-blocking).
+///
+/// # Safety
+/// `newcomm` is valid for a write until the parent leaves `ncclInProgress`.
+unsafe fn hand_over(parent: &Arc<Comm>, child: Arc<Comm>, newcomm: *mut ncclComm_t) {
+    parent.st.lock().pending += 1;
+    parent.splitting.lock().push(child.clone());
+    let (owner, id) = (parent.clone(), child.id);
+    let out = newcomm as usize;
+    let spawned = std::thread::Builder::new()
+        .name("emu-nccl-split".into())
+        .spawn(move || {
+            child.wait_ready();
+            owner.splitting.lock().retain(|c| c.id != child.id);
+            // SAFETY: the caller keeps `*newcomm` valid until the parent
+            // leaves `ncclInProgress`, which it does only below.
+            let slot = unsafe { AtomicPtr::from_ptr(out as *mut ncclComm_t) };
+            slot.store(child.handle(), Ordering::Release);
+            let mut st = owner.st.lock();
+            st.pending = st.pending.saturating_sub(1);
+            owner.cv.notify_all();
+        });
+    if let Err(e) = spawned {
+        tracing::error!(error = %e, "could not start the emulated NCCL split thread");
+        parent.splitting.lock().retain(|c| c.id != id);
+        parent.set_async(
+            ncclResult_t::ncclSystemError,
+            "could not start the background split thread",
+        );
+        let mut st = parent.st.lock();
+        st.pending = st.pending.saturating_sub(1);
+    }
 }
 
 /// Adds this rank's part in split `seq` to the in-process world; the last

@@ -5,6 +5,7 @@
 //! while no peer can have work in flight that waits for this rank.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::time::Duration;
 
 use nccl_sys::{ncclComm_t, ncclResult_t};
@@ -179,6 +180,8 @@ impl Comm {
     /// Splits the communicator (`ncclCommSplit`, called by every rank):
     /// ranks with the same `color` form a new communicator, ordered by `key`
     /// then old rank. `None` takes part without joining and gives `Ok(None)`.
+    /// On a non-blocking communicator it waits (up to 60 s) until NCCL has
+    /// made the new communicator, which it does after the call returns.
     pub fn split(&self, color: Option<i32>, key: i32) -> Result<Option<Comm>> {
         const CALL: &str = "ncclCommSplit";
         let c = match color {
@@ -192,12 +195,34 @@ impl Comm {
         if self.nonblocking {
             config.blocking = 0;
         }
-        let mut raw: ncclComm_t = std::ptr::null_mut();
-        self.enqueue(CALL, |lib, comm| {
-            // SAFETY: `comm` is live (checked by enqueue); writes one handle
-            // through a valid pointer; `config` outlives the call.
-            unsafe { nccl_sys::call!(lib, ncclCommSplit(comm, c, key, &mut raw, &mut config)) }
-        })?;
+        // NCCL stores the new communicator when its set-up ends. Under a
+        // non-blocking parent that is on a background thread, after the call
+        // has returned (NCCL 2.28 returns `ncclSuccess` with the handle still
+        // NULL, the parent in progress until then): the handle's slot lives
+        // on the heap and is leaked if the split does not settle, so a late
+        // store never lands in freed memory.
+        let slot = Box::new(AtomicPtr::<nccl_sys::ncclComm>::new(std::ptr::null_mut()));
+        let settled = self
+            .enqueue(CALL, |lib, comm| {
+                // SAFETY: `comm` is live (checked by enqueue); `slot` stays
+                // valid for NCCL's store (freed only once the split settled);
+                // `config` outlives the call.
+                unsafe {
+                    nccl_sys::call!(lib, ncclCommSplit(comm, c, key, slot.as_ptr(), &mut config))
+                }
+            })
+            .and_then(|()| {
+                if self.nonblocking {
+                    wait_shared(&self.state, "communicator split", CALL, SPLIT_DEADLINE)
+                } else {
+                    Ok(())
+                }
+            });
+        if let Err(e) = settled {
+            std::mem::forget(slot);
+            return Err(e);
+        }
+        let raw: ncclComm_t = slot.load(Ordering::Acquire);
         if raw.is_null() {
             return if color.is_none() {
                 Ok(None)
