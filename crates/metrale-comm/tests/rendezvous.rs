@@ -577,25 +577,27 @@ fn file_rendezvous_four_ranks() -> Result<()> {
 /// generations and pass barriers of the same names at once, each meeting
 /// only its own members (a shared key would hand some rank another
 /// group's id); then, with every world rendezvous gone (rank 0's served
-/// the store), the reversed group still meets. A member outside its group
-/// is a bad spec.
+/// the store), the reversed group still meets. A member outside its group,
+/// and an empty name or one with a `/`, are bad specs.
 fn groups_meet_apart(world: Vec<Box<dyn Rendezvous>>) -> Result<()> {
     let n = world.len();
     let mut parity: [Vec<Box<dyn Rendezvous>>; 2] = Default::default();
     let mut reversed: Vec<Box<dyn Rendezvous>> = Vec::new();
     for rv in world.iter().rev() {
         let r = rv.rank();
-        parity[r % 2].push(rv.group(&format!("parity {}", r % 2), r / 2, n / 2, T)?);
-        reversed.push(rv.group("reversed", n - 1 - r, n, T)?);
+        parity[r % 2].push(rv.group(&format!("parity {}", r % 2), r / 2, n / 2)?);
+        reversed.push(rv.group("reversed", n - 1 - r, n)?);
     }
-    assert!(matches!(
-        world[0].group("outside", 2, 2, T),
-        Err(RendezvousError::BadSpec(_))
-    ));
+    for (name, member, size) in [("outside", 2, 2), ("a/b", 0, 2), ("", 0, 2)] {
+        assert!(matches!(
+            world[0].group(name, member, size),
+            Err(RendezvousError::BadSpec(_))
+        ));
+    }
     let mut pairs: [Vec<Box<dyn Rendezvous>>; 2] = Default::default();
     for (m, rv) in reversed.iter().enumerate() {
         assert_eq!((rv.rank(), rv.world_size()), (m, n));
-        pairs[m / 2].push(rv.group(&format!("pair {}", m / 2), m % 2, 2, T)?);
+        pairs[m / 2].push(rv.group(&format!("pair {}", m / 2), m % 2, 2)?);
     }
     let [even, odd] = parity;
     let [first, second] = pairs;

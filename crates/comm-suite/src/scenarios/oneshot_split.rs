@@ -11,13 +11,17 @@
 //! group's color; runs a sweep on the reversed group and the pairs, and
 //! one-shots of all five communicators in flight at once; then the parent
 //! reconnects and splits again while the reversed group lives on, shuts
-//! down before it, and the reversed group still works. Last, a split in
-//! which only the last rank has no group in the store.
+//! down and is dropped before it, and the reversed group still works.
+//! Last, a split in which only the last rank has no group in the store,
+//! and a split that the last rank refuses, then a reconnect and a split
+//! that works.
 //!
 //! Invariants: every output element is checked against the host reference
 //! of the group's inputs in the group's rank order, on every rank (so the
 //! group's outputs are bit-identical); every group of two or more ranks
 //! has the path on wherever the parent has it (on the emulator always);
+//! every shutdown ends well within the shutdown timeout (a release barrier
+//! that a peer never meets lasts all of it), and device memory comes back;
 //! communicators are torn down only while every rank is idle (barriers);
 //! on the emulator the scenario ends with no CUDA IPC mapping open and no
 //! free of memory still mapped.
@@ -27,7 +31,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail, ensure};
 use half::bf16;
 use metrale_comm::rendezvous::{ID_LEN, Rendezvous, RendezvousError};
-use metrale_comm::{AllReducePath, CommBackend, CommError, NcclBackend, OneShotPolicy};
+use metrale_comm::{
+    AllReducePath, CommBackend, CommError, EnqueueMode, NcclBackend, OneShotPolicy,
+};
 use nccl_safe::{DeviceBuffer, Stream};
 
 use super::exact;
@@ -38,6 +44,9 @@ use crate::data::{check, random_vec, sum_in_rank_order};
 /// Element counts of a group's sweep (bf16): odd counts, and one past the
 /// 1 MiB slot (two launches).
 const SIZES: &[usize] = &[1, 3, 4097, 65_535, (1 << 19) + 3];
+
+/// How long a shutdown may take: half the default shutdown timeout.
+const SHUTDOWN_BOUND: Duration = Duration::from_secs(5);
 
 /// Checks that `b` is this rank's sub-communicator of `members` (its rank
 /// `c` is the suite's rank `members[c]`) and that the one-shot path is on,
@@ -127,6 +136,7 @@ fn all_at_once(
 pub fn split(ctx: &RankCtx) -> anyhow::Result<()> {
     let seed = ctx.shared_seed("oneshot-split")?;
     let (w, r) = (ctx.world_size, ctx.rank);
+    let free_before = ctx.context()?.mem_info()?.0;
     let parent = one_shot_backend(
         ctx,
         "oneshot-split",
@@ -184,9 +194,9 @@ pub fn split(ctx: &RankCtx) -> anyhow::Result<()> {
     all_at_once(ctx, &comms, seed, 1)?;
 
     ctx.barrier("oneshot-split: before the pairs, halves and twin shut down")?;
-    pair.shutdown().context("the pair's shutdown")?;
-    half.shutdown().context("the parity group's shutdown")?;
-    twin.shutdown().context("the twin group's shutdown")?;
+    shut(&pair, "the pair")?;
+    shut(&half, "the parity group")?;
+    shut(&twin, "the twin group")?;
     ensure!(
         matches!(rev.attempt_reconnect(), Err(CommError::Unsupported { .. })),
         "a sub-communicator reconnected by itself"
@@ -205,10 +215,11 @@ pub fn split(ctx: &RankCtx) -> anyhow::Result<()> {
     ];
     all_at_once(ctx, &comms, seed, 2)?;
 
-    ctx.step("the parent shuts down before the reversed group");
+    ctx.step("the parent shuts down and goes before the reversed group");
     ctx.barrier("oneshot-split: before the parent shuts down")?;
-    again.shutdown().context("the second split's shutdown")?;
-    parent.shutdown().context("the parent's shutdown")?;
+    shut(&again, "the split after the reconnect")?;
+    shut(&parent, "the parent")?;
+    drop((parent, pair, half, twin, again, compute));
     all_at_once(
         ctx,
         &[("the reversed group", &rev, Some(&rev_members[..]))],
@@ -216,9 +227,78 @@ pub fn split(ctx: &RankCtx) -> anyhow::Result<()> {
         3,
     )?;
     ctx.barrier("oneshot-split: before the reversed group shuts down")?;
-    rev.shutdown().context("the reversed group's shutdown")?;
+    shut(&rev, "the reversed group")?;
+    drop(rev);
     without_a_group_on_the_last_rank(ctx, seed, &world)?;
+    refused_on_the_last_rank(ctx, seed, &world)?;
+    let free_after = ctx.context()?.mem_info()?.0;
+    let slack = if ctx.on_gpu() { 64 << 20 } else { 0 };
+    ensure!(
+        free_after + slack >= free_before,
+        "device memory free went from {free_before} to {free_after}: a sub-communicator's \
+         buffers were not freed"
+    );
     no_mapping_left(ctx, "oneshot-split")
+}
+
+/// Shuts `b` down, well within the shutdown timeout (10 s): a release
+/// barrier that a peer never meets (its group named otherwise) would last
+/// all of it, and leak.
+fn shut(b: &NcclBackend, what: &str) -> anyhow::Result<()> {
+    let t = Instant::now();
+    b.shutdown().with_context(|| format!("{what}: shutdown"))?;
+    ensure!(
+        t.elapsed() < SHUTDOWN_BOUND,
+        "{what}: the shutdown took {:?}",
+        t.elapsed()
+    );
+    Ok(())
+}
+
+/// A split that the last rank refuses before it reaches NCCL (a group open
+/// on its thread) while the others go into it: theirs fail at the
+/// collective timeout, which poisons them. After a reconnect on every
+/// rank, a split names its group alike on every rank again: it has the
+/// path, sums right, and shuts down at once.
+fn refused_on_the_last_rank(ctx: &RankCtx, seed: u64, world: &[usize]) -> anyhow::Result<()> {
+    let (w, r) = (ctx.world_size, ctx.rank);
+    let cfg = one_shot_config(ctx, OneShotPolicy::Always)
+        .with_collective_timeout(Duration::from_secs(2))
+        .with_enqueue(EnqueueMode::Blocking);
+    let b = one_shot_backend(ctx, "oneshot-split-refused", cfg)?;
+    ctx.step("a split the last rank refuses");
+    let split = if r == w - 1 {
+        b.group_start()?;
+        let refused = b.split_backend(Some(0), r);
+        b.group_end()?;
+        ensure!(
+            matches!(refused, Err(CommError::InGroup { .. })),
+            "a split inside a group: {refused:?}"
+        );
+        None
+    } else {
+        Some(b.split_backend(Some(0), r))
+    };
+    if let Some(got) = split {
+        ensure!(
+            got.is_err(),
+            "a split without the last rank returned a sub-communicator"
+        );
+    }
+    ctx.barrier("oneshot-split-refused: before the reconnect")?;
+    b.attempt_reconnect()
+        .context("the reconnect after a refused split")?;
+    let child = split_into(ctx, &b, (0, r), world, "the split after a refused one")?;
+    all_at_once(
+        ctx,
+        &[("the split after a refused one", &child, Some(world))],
+        seed,
+        5,
+    )?;
+    ctx.barrier("oneshot-split-refused: before shutdown")?;
+    shut(&child, "the split after a refused one")?;
+    shut(&b, "the backend of the refused split")?;
+    Ok(())
 }
 
 /// A rendezvous that has no groups (the trait's default, as where a rank
@@ -253,7 +333,7 @@ impl Rendezvous for NoGroups {
 /// still takes the set-up's steps, the path is off on all of them with
 /// that rank named, the sums are right (NCCL's path), and the shutdown
 /// does not wait for a release barrier (no rank mapped a peer's buffer),
-/// which would last the whole init timeout.
+/// which would last the whole shutdown timeout.
 fn without_a_group_on_the_last_rank(
     ctx: &RankCtx,
     seed: u64,
@@ -297,15 +377,7 @@ fn without_a_group_on_the_last_rank(
         w,
     )?;
     ctx.barrier("oneshot-split: before the split without its group shuts down")?;
-    let t = Instant::now();
-    child
-        .shutdown()
-        .context("the shutdown of the split without its group")?;
-    ensure!(
-        t.elapsed() < Duration::from_secs(5),
-        "the split without its group took {:?} to shut down",
-        t.elapsed()
-    );
-    b.shutdown()?;
+    shut(&child, "the split without its group")?;
+    shut(&b, "the parent of the split without its group")?;
     Ok(())
 }

@@ -74,6 +74,9 @@ impl Inner {
         *self.abort.lock() = Some(comm.abort_handle());
         slot.comm = Some(comm);
         self.generation.store(generation, Ordering::Release);
+        // A new communicator's splits count from 1 again, on every rank
+        // alike (a reconnect is collective), whatever a failed split left.
+        self.splits.store(0, Ordering::Relaxed);
     }
 
     /// Waits, until `deadline`, for all work the backend enqueued: its own
@@ -135,7 +138,7 @@ impl NcclBackend {
         // count and the generation name the sub-communicator's group alike
         // on all its ranks.
         let group = format!(
-            "split {}.{} color {}",
+            "split-{}.{}-c{}",
             inner.generation.load(Ordering::Acquire),
             inner.splits.fetch_add(1, Ordering::Relaxed) + 1,
             color.unwrap_or(-1)
@@ -156,7 +159,7 @@ impl NcclBackend {
         // the set-up's exchanges (with a failed record), so the ranks'
         // collectives match.
         let store = inner.store.as_ref().and_then(|rv| {
-            rv.group(&group, rank, world, inner.config.init_timeout)
+            rv.group(&group, rank, world)
                 .map(Arc::from)
                 .inspect_err(|e| tracing::warn!(rank = inner.rank, "split: {e}"))
                 .ok()

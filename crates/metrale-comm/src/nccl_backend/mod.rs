@@ -116,9 +116,10 @@ struct Inner {
     /// release): the rendezvous, or for a split communicator its group's
     /// rendezvous in the parent's store; `None` where there is no store.
     store: Option<Arc<dyn Rendezvous>>,
-    /// Splits of this backend so far: with the generation, they name a
-    /// sub-communicator's group in the store (every rank splits in the same
-    /// order, as NCCL requires).
+    /// Splits of this backend's communicator so far (reset when a new one is
+    /// installed): with the generation, they name a sub-communicator's
+    /// group in the store (every rank splits in the same order, as NCCL
+    /// requires).
     splits: AtomicU64,
     slot: Mutex<Slot>,
     /// Signalled when a thread's group ends, for threads waiting to submit.

@@ -158,19 +158,17 @@ impl StoreClient {
         Ok(client)
     }
 
-    /// Another client of the same store, with its own connection (so that
-    /// neither waits behind the other's waits) and the same token.
-    pub(crate) fn connect_again(&self, timeout: Duration) -> Result<StoreClient, RendezvousError> {
-        let client = StoreClient {
+    /// Another client of the same store and token, with a connection of
+    /// its own (so that neither waits behind the other's waits), opened at
+    /// its first query.
+    pub(crate) fn another(&self) -> StoreClient {
+        StoreClient {
             addr: self.addr,
             token: self.token.clone(),
             io_timeout: self.io_timeout,
             nonce: rand::random(),
             conn: Mutex::new(None),
-        };
-        let live = client.open(proto::after(timeout))?;
-        *client.conn.lock() = Some(live);
-        Ok(client)
+        }
     }
 
     /// The server's address.

@@ -163,7 +163,6 @@ impl Rendezvous for FileRendezvous {
         name: &str,
         member: usize,
         size: usize,
-        _timeout: Duration,
     ) -> Result<Box<dyn Rendezvous>, RendezvousError> {
         Ok(Box::new(FileRendezvous {
             rank: member,

@@ -93,7 +93,7 @@ mod tests {
         ));
         assert!(rv.barrier("b", Duration::ZERO).is_err());
         assert!(matches!(
-            rv.group("g", 0, 1, Duration::ZERO),
+            rv.group("g", 0, 1),
             Err(RendezvousError::Unsupported(_))
         ));
         assert!(FixedIdRendezvous::new(2, 2, id).is_err());

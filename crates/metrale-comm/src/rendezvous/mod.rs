@@ -145,18 +145,17 @@ pub trait Rendezvous: Send + Sync + std::fmt::Debug {
     /// A rendezvous for a group of `size` of these ranks, this rank being
     /// the group's rank `member` (a sub-communicator's ranks): its ids and
     /// barriers live in the same store, under keys of the group's own,
-    /// named by `name`, which every member passes and no other group of
-    /// this rendezvous uses; it keeps the store alive while it lives.
-    /// Connecting to the store is bounded by `timeout`. A rendezvous with
-    /// no store to meet in answers [`RendezvousError::Unsupported`].
+    /// named by `name` (no `/`), which every member passes and no other
+    /// group of this rendezvous uses; it keeps the store alive while it
+    /// lives, and makes no I/O until it is used. A rendezvous with no store
+    /// to meet in answers [`RendezvousError::Unsupported`].
     fn group(
         &self,
         name: &str,
         member: usize,
         size: usize,
-        timeout: Duration,
     ) -> Result<Box<dyn Rendezvous>, RendezvousError> {
-        let _ = (member, size, timeout);
+        let _ = (member, size);
         Err(RendezvousError::Unsupported(format!(
             "group `{name}`: this rendezvous has no store to meet in"
         )))
@@ -174,6 +173,11 @@ pub(crate) fn group_namespace(
     if size == 0 || member >= size {
         return Err(RendezvousError::BadSpec(format!(
             "group `{name}`: member {member} of {size}"
+        )));
+    }
+    if name.is_empty() || name.contains('/') {
+        return Err(RendezvousError::BadSpec(format!(
+            "group `{name}`: a group's name is not empty and has no `/`"
         )));
     }
     Ok(format!("{namespace}group/{name}/"))

@@ -11,7 +11,8 @@
 //! them again after a lost connection. Rank 0 must keep its rendezvous
 //! alive while others use its store (end with a barrier before dropping it).
 //! A group's rendezvous ([`Rendezvous::group`]) is a client of the same
-//! store on a connection of its own, under `{ns}group/{name}/`; rank 0's
+//! store on a connection of its own (opened at its first query), under
+//! `{ns}group/{name}/`; rank 0's
 //! store lives until its rendezvous and every group made from it are gone.
 
 use std::net::SocketAddr;
@@ -224,14 +225,13 @@ impl Rendezvous for TcpRendezvous {
         name: &str,
         member: usize,
         size: usize,
-        timeout: Duration,
     ) -> Result<Box<dyn Rendezvous>, RendezvousError> {
         let namespace = group_namespace(&self.namespace, name, member, size)?;
         Ok(Box::new(TcpRendezvous {
             rank: member,
             world_size: size,
             namespace,
-            client: self.client.connect_again(timeout)?,
+            client: self.client.another(),
             server: self.server.clone(),
             barriers: BarrierCounters::default(),
         }))
