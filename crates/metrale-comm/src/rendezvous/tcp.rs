@@ -12,8 +12,8 @@
 //! alive while others use its store (end with a barrier before dropping it).
 //! A group's rendezvous ([`Rendezvous::group`]) is a client of the same
 //! store on a connection of its own (opened at its first query), under
-//! `{ns}group/{name}/`; rank 0's
-//! store lives until its rendezvous and every group made from it are gone.
+//! `{ns}group/{name}/`; rank 0's store lives until its rendezvous and
+//! every group made from it are gone.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
