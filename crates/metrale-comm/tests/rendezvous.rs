@@ -397,8 +397,8 @@ fn drive_ranks(ranks: Vec<Box<dyn Rendezvous>>) -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn tcp_rendezvous_four_ranks() -> Result<()> {
+/// Four TCP rendezvous with a token, rank 0 serving the store.
+fn tcp_four_ranks() -> Result<Vec<Box<dyn Rendezvous>>> {
     let token = Some("tok".to_owned());
     let rank0 = TcpRendezvous::new(0, 4, loopback0(), token.clone(), T)?;
     let addr = rank0.local_addr().context("rank 0 serves")?;
@@ -412,7 +412,12 @@ fn tcp_rendezvous_four_ranks() -> Result<()> {
             T,
         )?));
     }
-    drive_ranks(ranks)?;
+    Ok(ranks)
+}
+
+#[test]
+fn tcp_rendezvous_four_ranks() -> Result<()> {
+    drive_ranks(tcp_four_ranks()?)?;
     // Nobody listens on the discard port: connecting gives up at the deadline.
     let unreachable = SocketAddr::from(([127, 0, 0, 1], 9));
     assert!(TcpRendezvous::new(1, 4, unreachable, None, Duration::from_millis(50)).is_err());
@@ -613,20 +618,7 @@ fn groups_meet_apart(world: Vec<Box<dyn Rendezvous>>) -> Result<()> {
 
 #[test]
 fn tcp_groups_meet_apart_and_keep_the_store() -> Result<()> {
-    let token = Some("tok".to_owned());
-    let rank0 = TcpRendezvous::new(0, 4, loopback0(), token.clone(), T)?;
-    let addr = rank0.local_addr().context("rank 0 serves")?;
-    let mut world: Vec<Box<dyn Rendezvous>> = vec![Box::new(rank0)];
-    for rank in 1..4 {
-        world.push(Box::new(TcpRendezvous::new(
-            rank,
-            4,
-            addr,
-            token.clone(),
-            T,
-        )?));
-    }
-    groups_meet_apart(world)
+    groups_meet_apart(tcp_four_ranks()?)
 }
 
 #[test]
