@@ -6,8 +6,8 @@
 //! peers' buffers with CUDA IPC between processes. Every scenario that
 //! runs at two ranks does so here but the two that only repeat others'
 //! paths for tens of seconds; a few run again with three, and the
-//! one-shot path's streams and stuck-rank scenarios with eight; and the
-//! killed-rank scenario (`rel_sigkill_rank`: a rank SIGKILLed
+//! one-shot path's streams, stuck-rank and split scenarios with eight; and
+//! the killed-rank scenario (`rel_sigkill_rank`: a rank SIGKILLed
 //! mid-collective, the survivor must error within its timeout) 20 times.
 //! `emulator.rs` runs every scenario in threads mode, unchanged.
 //!
@@ -76,8 +76,9 @@ const THREE_RANKS: &[&str] = &[
 ];
 
 /// The one-shot scenarios run again with eight rank processes (the most
-/// the kernel serves; every rank maps seven peers' buffers).
-const EIGHT_RANKS: &[&str] = &["oneshot_streams", "oneshot_stuck_rank"];
+/// the kernel serves; every rank maps seven peers' buffers; sub-groups of
+/// eight, four and two).
+const EIGHT_RANKS: &[&str] = &["oneshot_streams", "oneshot_stuck_rank", "oneshot_split"];
 
 /// Repetitions of `rel_sigkill_rank`.
 const SIGKILL_REPEAT: usize = 20;
