@@ -18,6 +18,7 @@ use metrale_comm::{
 use nccl_safe::{DataType, DeviceBuffer, DeviceView, DeviceViewMut, Stream};
 
 use super::exact;
+use super::reliability::all_reduce_ok;
 use crate::RankCtx;
 use crate::data::{
     POISON_BYTE, SuiteElem, all_reduce_reference, check, hash, random_vec, size_name,
@@ -749,8 +750,8 @@ pub fn engine_flow(ctx: &RankCtx) -> anyhow::Result<()> {
 
 /// A backend over a fixed unique id, and its split, asked for the one-shot
 /// path: off on every rank with the reason (no store to meet in at its
-/// release), and `inputs` (of every rank) still sum right.
-fn fixed_id_one_shot_off(ctx: &RankCtx, inputs: &[Vec<bf16>]) -> anyhow::Result<()> {
+/// release), and their all-reduces still sum right.
+fn fixed_id_one_shot_off(ctx: &RankCtx) -> anyhow::Result<()> {
     let (w, r) = (ctx.world_size, ctx.rank);
     ctx.step("the one-shot path over a fixed unique id");
     let id = ctx.unique_id("fixed-id one-shot")?;
@@ -759,23 +760,15 @@ fn fixed_id_one_shot_off(ctx: &RankCtx, inputs: &[Vec<bf16>]) -> anyhow::Result<
     let child = b
         .split_backend(Some(0), r)?
         .context("a split with a color got no sub-communicator")?;
-    for (what, x) in [("a fixed id", &b), ("its split", &child)] {
+    for (salt, (what, x)) in (60..).zip([("a fixed id", &b), ("its split", &child)]) {
         let why = x.one_shot_unavailable().unwrap_or_default();
         ensure!(
             why.contains("no rendezvous store"),
             "{what}: the one-shot path's reason is `{why}`"
         );
         ensure!(x.all_reduce_path(2) != AllReducePath::OneShot);
-        let mut buf = DeviceBuffer::from_host(x.context(), &inputs[r])?;
-        x.all_reduce(buf.view_mut())?;
-        x.synchronize()?;
-        check(
-            &format!("all_reduce over {what} without the one-shot path"),
-            &buf.to_host_vec()?,
-            &sum_in_rank_order(inputs),
-            exact(ctx),
-            w,
-        )?;
+        all_reduce_ok(ctx, x, salt)
+            .with_context(|| format!("all_reduce over {what} without the one-shot path"))?;
     }
     ctx.barrier("fixed-id one-shot: before shutdown")?;
     child.shutdown()?;
@@ -810,7 +803,7 @@ pub fn fixed_unique_id(ctx: &RankCtx) -> anyhow::Result<()> {
         w,
     )?;
     if (2..=8).contains(&w) {
-        fixed_id_one_shot_off(ctx, &inputs)?;
+        fixed_id_one_shot_off(ctx)?;
     }
     ctx.barrier("fixed-id reduced")?;
     ctx.step("attempt_reconnect without a rendezvous");

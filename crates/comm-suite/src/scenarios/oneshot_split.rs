@@ -36,10 +36,10 @@ use metrale_comm::{
 };
 use nccl_safe::{DeviceBuffer, Stream};
 
-use super::exact;
 use super::oneshot::{check_in, no_mapping_left, one_shot_backend, one_shot_config, sweep};
+use super::reliability::all_reduce_ok;
 use crate::RankCtx;
-use crate::data::{check, random_vec, sum_in_rank_order};
+use crate::data::random_vec;
 
 /// Element counts of a group's sweep (bf16): odd counts, and one past the
 /// 1 MiB slot (two launches).
@@ -229,7 +229,7 @@ pub fn split(ctx: &RankCtx) -> anyhow::Result<()> {
     ctx.barrier("oneshot-split: before the reversed group shuts down")?;
     shut(&rev, "the reversed group")?;
     drop(rev);
-    without_a_group_on_the_last_rank(ctx, seed, &world)?;
+    without_a_group_on_the_last_rank(ctx, &world)?;
     refused_on_the_last_rank(ctx, seed, &world)?;
     let free_after = ctx.context()?.mem_info()?.0;
     let slack = if ctx.on_gpu() { 64 << 20 } else { 0 };
@@ -334,11 +334,7 @@ impl Rendezvous for NoGroups {
 /// that rank named, the sums are right (NCCL's path), and the shutdown
 /// does not wait for a release barrier (no rank mapped a peer's buffer),
 /// which would last the whole shutdown timeout.
-fn without_a_group_on_the_last_rank(
-    ctx: &RankCtx,
-    seed: u64,
-    world: &[usize],
-) -> anyhow::Result<()> {
+fn without_a_group_on_the_last_rank(ctx: &RankCtx, world: &[usize]) -> anyhow::Result<()> {
     let (w, r) = (ctx.world_size, ctx.rank);
     ctx.step("a split whose group the last rank cannot have");
     let rv = ctx.rendezvous("oneshot-split-nogroup")?;
@@ -365,17 +361,7 @@ fn without_a_group_on_the_last_rank(
         why.contains(&named) && !why.contains("rank 0:"),
         "the split's one-shot path: `{why}`, want it off naming `{named}` alone"
     );
-    let inputs: Vec<Vec<bf16>> = (0..w).map(|k| random_vec(seed, k, 4, 3001)).collect();
-    let mut buf = DeviceBuffer::from_host(child.context(), &inputs[r])?;
-    child.all_reduce(buf.view_mut())?;
-    child.synchronize()?;
-    check(
-        "all_reduce on the split without its group (NCCL's path)",
-        &buf.to_host_vec()?,
-        &sum_in_rank_order(&inputs),
-        exact(ctx),
-        w,
-    )?;
+    all_reduce_ok(ctx, &child, 70).context("all_reduce on the split without its group")?;
     ctx.barrier("oneshot-split: before the split without its group shuts down")?;
     shut(&child, "the split without its group")?;
     shut(&b, "the parent of the split without its group")?;

@@ -65,7 +65,7 @@ pub(crate) fn all_reduce_ok(ctx: &RankCtx, b: &NcclBackend, salt: u64) -> anyhow
         "all_reduce",
         &buf.to_host_vec()?,
         &sum_in_rank_order(&inputs),
-        w <= 2 || !ctx.on_gpu(),
+        super::exact(ctx),
         w,
     )
 }
@@ -673,7 +673,7 @@ fn all_reduce_poisoned_first(ctx: &RankCtx, b: &NcclBackend, salt: u64) -> anyho
         "all_reduce after reconnect",
         &buf.to_host_vec()?,
         &sum_in_rank_order(&inputs),
-        w <= 2 || !ctx.on_gpu(),
+        super::exact(ctx),
         w,
     )
 }
