@@ -556,14 +556,17 @@ fn torchrun_attempts_are_namespaced() -> Result<()> {
     Ok(())
 }
 
+/// Four file rendezvous in `dir`.
+fn file_four_ranks(dir: &std::path::Path) -> Result<Vec<Box<dyn Rendezvous>>> {
+    (0..4)
+        .map(|rank| Ok(Box::new(FileRendezvous::new(rank, 4, dir.to_path_buf())?) as _))
+        .collect()
+}
+
 #[test]
 fn file_rendezvous_four_ranks() -> Result<()> {
     let dir = temp_dir("file");
-    let mut ranks: Vec<Box<dyn Rendezvous>> = Vec::new();
-    for rank in 0..4 {
-        ranks.push(Box::new(FileRendezvous::new(rank, 4, dir.clone())?));
-    }
-    drive_ranks(ranks)?;
+    drive_ranks(file_four_ranks(&dir)?)?;
     let lonely = FileRendezvous::new(1, 2, dir.join("lonely"))?;
     let start = Instant::now();
     assert!(matches!(
@@ -624,11 +627,7 @@ fn tcp_groups_meet_apart_and_keep_the_store() -> Result<()> {
 #[test]
 fn file_groups_meet_apart() -> Result<()> {
     let dir = temp_dir("file-groups");
-    let mut world: Vec<Box<dyn Rendezvous>> = Vec::new();
-    for rank in 0..4 {
-        world.push(Box::new(FileRendezvous::new(rank, 4, dir.clone())?));
-    }
-    groups_meet_apart(world)?;
+    groups_meet_apart(file_four_ranks(&dir)?)?;
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
