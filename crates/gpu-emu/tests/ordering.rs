@@ -20,6 +20,8 @@ use nccl_sys::{ncclComm_t, ncclConfig_t, ncclDataType_t, ncclResult_t};
 
 /// How long held work is watched for running early.
 const HELD: Duration = Duration::from_millis(150);
+/// How long released work may take to finish.
+const SETTLE: Duration = Duration::from_secs(10);
 
 /// A gate on the current device whose recv an event follows: every stream
 /// made to [`Hold::hold`] waits until [`Hold::release`].
@@ -154,6 +156,37 @@ fn pair(devs: [i32; 2], cfg: ncclConfig_t) -> [ncclComm_t; 2] {
     comms
 }
 
+/// Both ranks of a communicator on `devs`; a non-blocking one has made
+/// its first exchange (its first operation waits for its peer's matching
+/// one, NCCL's lazy connection), so later work is not held back by it.
+fn connected(devs: [i32; 2], blocking: bool) -> [ncclComm_t; 2] {
+    if blocking {
+        let c = init_all(&devs);
+        return [c[0], c[1]];
+    }
+    let c = pair(devs, config(false, false));
+    let bufs: Vec<_> = devs
+        .iter()
+        .map(|&d| {
+            set_device(d);
+            (alloc(8), alloc(8), stream())
+        })
+        .collect();
+    for r in 0..2 {
+        set_device(devs[r]);
+        let (send, recv, s) = bufs[r];
+        group_start();
+        nck(p2p(false, recv, 8, 1 - r, c[r], s));
+        nck(p2p(true, send, 8, 1 - r, c[r], s));
+        assert_eq!(group_end(), ncclResult_t::ncclInProgress);
+    }
+    for (r, (_, _, s)) in bufs.into_iter().enumerate() {
+        nck(settle(c[r]));
+        sync(s);
+    }
+    c
+}
+
 /// Each rank issues a send of A (24 bytes) on a held stream 1, then on
 /// stream 2 a group sending B (86 bytes) and receiving A, then a recv of B.
 /// NCCL runs each rank's three launches in issue order, so stream 2 waits
@@ -162,34 +195,7 @@ fn pair(devs: [i32; 2], cfg: ncclConfig_t) -> [ncclComm_t; 2] {
 fn issue_order_across_streams(devs: [i32; 2], blocking: bool) {
     const A: usize = 24;
     const B: usize = 86;
-    let comms = if blocking {
-        let c = init_all(&devs);
-        [c[0], c[1]]
-    } else {
-        let c = pair(devs, config(false, false));
-        // Connect first: a non-blocking communicator's first operation
-        // waits for its peer's matching one.
-        let bufs: Vec<_> = devs
-            .iter()
-            .map(|&d| {
-                set_device(d);
-                (alloc(8), alloc(8), stream())
-            })
-            .collect();
-        for r in 0..2 {
-            set_device(devs[r]);
-            let (send, recv, s) = bufs[r];
-            group_start();
-            nck(p2p(false, recv, 8, 1 - r, c[r], s));
-            nck(p2p(true, send, 8, 1 - r, c[r], s));
-            assert_eq!(group_end(), ncclResult_t::ncclInProgress);
-        }
-        for (r, (_, _, s)) in bufs.into_iter().enumerate() {
-            nck(settle(c[r]));
-            sync(s);
-        }
-        c
-    };
+    let comms = connected(devs, blocking);
     set_device(devs[0]);
     let hold = Hold::new();
     struct Rank {
@@ -284,6 +290,210 @@ fn send_recv_match_in_issue_order_across_streams() {
 #[test]
 fn non_blocking_send_recv_match_in_issue_order_across_streams() {
     issue_order_across_streams([2, 3], false);
+}
+
+/// Random bytes, none zero.
+fn bytes(n: usize) -> Vec<u8> {
+    (0..n).map(|_| rand::random_range(1..=255u8)).collect()
+}
+
+/// In one group each rank sends X (24 bytes) on held stream 1, receives
+/// on stream 2, sends Z (86 bytes) on stream 2 and receives on stream 1:
+/// its send and receive to the one peer sit on both streams. NCCL posts a
+/// group's operations to a peer in call order and makes the group's
+/// streams wait for each other, so nothing of the group runs before the
+/// release, and each receive gets the send of its place (X first, then
+/// Z) whichever stream ran first.
+fn group_same_peer_on_two_streams(devs: [i32; 2], blocking: bool) {
+    const X: usize = 24;
+    const Z: usize = 86;
+    let comms = connected(devs, blocking);
+    set_device(devs[0]);
+    let hold = Hold::new();
+    let mut ranks = Vec::new();
+    for r in 0..2 {
+        set_device(devs[r]);
+        let (data_x, data_z) = (bytes(X), bytes(Z));
+        let (x, z, got_x, got_z) = (alloc(X), alloc(Z), alloc(X), alloc(Z));
+        upload(x, &data_x);
+        upload(z, &data_z);
+        poison(got_x, X);
+        poison(got_z, Z);
+        let (s1, s2) = (stream(), stream());
+        hold.hold(s1);
+        ranks.push((s1, s2, got_x, got_z, data_x, data_z));
+        group_start();
+        nck(p2p(true, x, X, 1 - r, comms[r], s1));
+        nck(p2p(false, got_x, X, 1 - r, comms[r], s2));
+        nck(p2p(true, z, Z, 1 - r, comms[r], s2));
+        nck(p2p(false, got_z, Z, 1 - r, comms[r], s1));
+        enqueued(group_end(), comms[r], blocking);
+    }
+    std::thread::sleep(HELD);
+    for (r, k) in ranks.iter().enumerate() {
+        assert_eq!(
+            query(k.1),
+            CUresult::CUDA_ERROR_NOT_READY,
+            "rank {r}: the group's part on stream 2 ran before held stream 1 reached the group"
+        );
+        assert_eq!(download::<u8>(k.2, X), vec![0x7F; X], "rank {r}: X early");
+    }
+    hold.release();
+    for (r, (s1, s2, got_x, got_z, _, _)) in ranks.iter().enumerate() {
+        sync_within(*s1, SETTLE);
+        sync_within(*s2, SETTLE);
+        assert_eq!(
+            async_error(comms[r]),
+            ncclResult_t::ncclSuccess,
+            "rank {r}: {}",
+            last_error(comms[r])
+        );
+        let peer = &ranks[1 - r];
+        assert_eq!(download::<u8>(*got_x, X), peer.4, "rank {r}: X");
+        assert_eq!(download::<u8>(*got_z, Z), peer.5, "rank {r}: Z");
+    }
+    for (r, (s1, s2, ..)) in ranks.into_iter().enumerate() {
+        set_device(devs[r]);
+        destroy_stream(s1);
+        destroy_stream(s2);
+    }
+    for c in comms {
+        nck(destroy(c));
+    }
+}
+
+#[test]
+fn a_groups_send_and_recv_to_one_peer_on_two_streams_match_in_call_order() {
+    group_same_peer_on_two_streams([0, 1], true);
+}
+
+#[test]
+fn non_blocking_groups_send_and_recv_to_one_peer_on_two_streams_match_in_call_order() {
+    group_same_peer_on_two_streams([2, 3], false);
+}
+
+/// `k` point-to-point operations per rank between the ranks of `comms`,
+/// each on a stream drawn at random (independently on each rank) from
+/// three, with sizes drawn per place: rank 0's `i`-th send and rank 1's
+/// `i`-th receive have the same size, and no two neighbours do, so a
+/// receive matched out of call order fails or gets the wrong bytes. In
+/// one group, sends and receives interleave; outside groups, rank 0 sends
+/// everything then receives, rank 1 the other way round (each operation
+/// its own launch).
+fn random_p2p_on_streams(devs: [i32; 2], blocking: bool, grouped: bool, k: usize) {
+    let comms = connected(devs, blocking);
+    // The sizes of the messages 0 -> 1 and 1 -> 0, by place.
+    let sizes: [Vec<usize>; 2] = std::array::from_fn(|_| {
+        let mut v: Vec<usize> = Vec::new();
+        while v.len() < k {
+            let n = rand::random_range(1..64usize) * 4;
+            if v.last() != Some(&n) {
+                v.push(n);
+            }
+        }
+        v
+    });
+    struct Side {
+        streams: [CUstream; 3],
+        sends: Vec<(u64, Vec<u8>)>,
+        recvs: Vec<u64>,
+    }
+    let sides: Vec<Side> = (0..2)
+        .map(|r| {
+            set_device(devs[r]);
+            let sends = sizes[r]
+                .iter()
+                .map(|&n| {
+                    let (p, d) = (alloc(n), bytes(n));
+                    upload(p, &d);
+                    (p, d)
+                })
+                .collect();
+            let recvs = sizes[1 - r]
+                .iter()
+                .map(|&n| {
+                    let p = alloc(n);
+                    poison(p, n);
+                    p
+                })
+                .collect();
+            Side {
+                streams: [stream(), stream(), stream()],
+                sends,
+                recvs,
+            }
+        })
+        .collect();
+    let pick = |sd: &Side| sd.streams[rand::random_range(0..3usize)];
+    for (r, sd) in sides.iter().enumerate() {
+        set_device(devs[r]);
+        let c = comms[r];
+        let send = |i: usize| p2p(true, sd.sends[i].0, sizes[r][i], 1 - r, c, pick(sd));
+        let recv = |i: usize| p2p(false, sd.recvs[i], sizes[1 - r][i], 1 - r, c, pick(sd));
+        if grouped {
+            group_start();
+            for i in 0..k {
+                if rand::random_bool(0.5) {
+                    nck(send(i));
+                    nck(recv(i));
+                } else {
+                    nck(recv(i));
+                    nck(send(i));
+                }
+            }
+            enqueued(group_end(), c, blocking);
+        } else {
+            for step in 0..2 * k {
+                let (i, is_send) = (step % k, (step < k) == (r == 0));
+                enqueued(if is_send { send(i) } else { recv(i) }, c, blocking);
+            }
+        }
+    }
+    for (r, sd) in sides.iter().enumerate() {
+        set_device(devs[r]);
+        for s in sd.streams {
+            sync_within(s, SETTLE);
+        }
+        assert_eq!(
+            async_error(comms[r]),
+            ncclResult_t::ncclSuccess,
+            "rank {r}: {}",
+            last_error(comms[r])
+        );
+        for (i, p) in sd.recvs.iter().enumerate() {
+            let want = &sides[1 - r].sends[i].1;
+            assert_eq!(
+                &download::<u8>(*p, want.len()),
+                want,
+                "rank {r}, receive {i}"
+            );
+        }
+    }
+    for (r, sd) in sides.into_iter().enumerate() {
+        set_device(devs[r]);
+        for s in sd.streams {
+            destroy_stream(s);
+        }
+    }
+    for c in comms {
+        nck(destroy(c));
+    }
+}
+
+#[test]
+fn random_grouped_send_recv_on_three_streams_match_in_call_order() {
+    for _ in 0..5 {
+        random_p2p_on_streams([4, 5], true, true, 12);
+    }
+    random_p2p_on_streams([4, 5], false, true, 12);
+}
+
+#[test]
+fn random_eager_send_recv_on_three_streams_match_in_call_order() {
+    for _ in 0..3 {
+        random_p2p_on_streams([6, 7], true, false, 12);
+    }
+    random_p2p_on_streams([6, 7], false, false, 12);
 }
 
 /// An in-place f32 sum all-reduce of `n` values on each rank's stream;

@@ -394,6 +394,60 @@ fn every_operation(r: usize, n: usize, id: ncclUniqueId, seed: u64) {
     free(send);
     free(recv);
 
+    // One group whose sends to `to` and receives from `from` sit on two
+    // streams, each stream holding a send and a receive: every receive
+    // gets the send of its place in the calls (a long one first, then a
+    // short one), whichever stream runs first.
+    let s2 = stream();
+    const SHORT: usize = 1001;
+    let (long_send, long_recv) = buffers(&mine[..E], E);
+    let (short_send, short_recv) = buffers(&mine[E..E + SHORT], SHORT);
+    // SAFETY: takes no arguments.
+    nck(unsafe { call!(nccl(), ncclGroupStart()) }.unwrap());
+    // SAFETY: each buffer holds the count of f32 named with it.
+    unsafe {
+        nck(call!(
+            nccl(),
+            ncclSend(long_send as *const c_void, E, F32, to as i32, comm, s)
+        )
+        .unwrap());
+        nck(call!(
+            nccl(),
+            ncclRecv(long_recv as *mut c_void, E, F32, from as i32, comm, s2)
+        )
+        .unwrap());
+        nck(call!(
+            nccl(),
+            ncclSend(short_send as *const c_void, SHORT, F32, to as i32, comm, s2)
+        )
+        .unwrap());
+        nck(call!(
+            nccl(),
+            ncclRecv(short_recv as *mut c_void, SHORT, F32, from as i32, comm, s)
+        )
+        .unwrap());
+    }
+    // SAFETY: takes no arguments.
+    settle(comm, unsafe { call!(nccl(), ncclGroupEnd()) }.unwrap());
+    sync(s);
+    sync(s2);
+    check(
+        "send/recv to one peer on two streams, long",
+        r,
+        &download::<f32>(long_recv, E),
+        blocks(from, 0),
+    );
+    check(
+        "send/recv to one peer on two streams, short",
+        r,
+        &download::<f32>(short_recv, SHORT),
+        &ins[from][E..E + SHORT],
+    );
+    for p in [long_send, long_recv, short_send, short_recv] {
+        free(p);
+    }
+    destroy_stream(s2);
+
     // A split by parity, keys reversed; an all_reduce on the child.
     let mut child: ncclComm_t = std::ptr::null_mut();
     // SAFETY: valid out-parameter; a null config inherits the parent's.

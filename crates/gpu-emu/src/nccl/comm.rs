@@ -7,7 +7,7 @@
 //! a ticket is done when its work has run or been dropped, so an abort
 //! never leaves the chain blocked.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::{CStr, c_int};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -157,6 +157,12 @@ pub(super) struct Comm {
     /// Crashed (`die` fault): every call fails with `ncclSystemError`.
     pub(super) dead: AtomicBool,
     pub(super) seq: AtomicU64,
+    /// Point-to-point operations launched so far, by (peer, is a send):
+    /// the `k`-th send to a peer matches that peer's `k`-th receive from
+    /// this rank, in issue order whatever the streams (NCCL matches them
+    /// so: every launch of a communicator is ordered on its strong stream,
+    /// and a group posts its operations to each peer in call order).
+    pub(super) p2p_seq: Mutex<BTreeMap<(usize, bool), u64>>,
     pub(super) split_seq: AtomicU64,
     /// Children of a split still waiting for their peers: aborting this
     /// communicator aborts them too (NCCL's `childAbortFlag`).
@@ -187,6 +193,7 @@ impl Comm {
             aborted: AtomicBool::new(false),
             dead: AtomicBool::new(false),
             seq: AtomicU64::new(0),
+            p2p_seq: Mutex::new(BTreeMap::new()),
             split_seq: AtomicU64::new(0),
             splitting: Mutex::new(Vec::new()),
             connected: AtomicBool::new(false),
@@ -208,6 +215,15 @@ impl Comm {
 
     pub(super) fn handle(&self) -> ncclComm_t {
         id_to_ptr::<ncclComm>(self.id)
+    }
+
+    /// The next point-to-point sequence number (from 1) of the sends to
+    /// `peer` (`is_send`) or of the receives from it.
+    pub(super) fn next_p2p(&self, peer: usize, is_send: bool) -> u64 {
+        let mut m = self.p2p_seq.lock();
+        let c = m.entry((peer, is_send)).or_default();
+        *c += 1;
+        *c
     }
 
     pub(super) fn aborted(&self) -> bool {

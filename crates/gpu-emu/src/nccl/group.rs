@@ -1,10 +1,12 @@
 //! Groups: `ncclGroupStart` / `ncclGroupEnd`, per thread, nesting; the
-//! outermost end launches the group's items, one task per stream with
-//! sends first.
+//! outermost end launches the group's items in call order, one task per
+//! stream with sends first.
 //!
 //! Invariants: a grouped call that fails makes the group end fail; the
 //! group is one launch per communicator chain (one ticket per chain for
-//! all its items); with work of a non-blocking communicator the tasks are
+//! all its items); an item's sequence number (among its communicator's
+//! collectives, or its sends to or receives from one peer) is its place
+//! in the calls, whatever its stream; with work of a non-blocking communicator the tasks are
 //! enqueued in the background and the end is `ncclInProgress`.
 
 use std::cell::RefCell;
@@ -15,8 +17,10 @@ use nccl_sys::{ncclResult_t, ncclSimInfo_t};
 use super::R;
 use super::comm::Comm;
 use super::errors::{entry, err, fail, unimplemented};
-use super::launch::{Body, Job, Tickets, defer, group_launcher, launch, sequence};
-use crate::stream::{self, Target};
+use super::launch::{
+    Body, Captured, Job, Join, Need, Tickets, defer, group_launcher, launch, sequence,
+};
+use crate::stream::{self, Target, Work};
 
 pub(super) struct GroupItem {
     pub(super) target: Target,
@@ -92,74 +96,116 @@ pub(super) fn group_end() -> R<ncclResult_t> {
     for c in involved {
         c.enqueue_call()?;
     }
-    // One task per stream, sends first, streams in order of first use.
-    let mut per: Vec<(Target, Vec<GroupItem>)> = Vec::new();
-    for it in items {
-        match per
-            .iter_mut()
-            .find(|(t, _)| Arc::ptr_eq(&t.stream, &it.target.stream))
+    // One task per stream, streams in order of first use. Every item is
+    // launched in call order (its sequence number among the
+    // communicator's collectives, or among its sends to or receives from
+    // its peer, is its place in the calls, whatever its stream), and each
+    // task runs its sends first: a send only posts, so no receive waits
+    // for a send queued behind it.
+    let mut targets: Vec<Target> = Vec::new();
+    let mut at: Vec<usize> = Vec::with_capacity(items.len());
+    for it in &items {
+        let k = match targets
+            .iter()
+            .position(|t| Arc::ptr_eq(&t.stream, &it.target.stream))
         {
-            Some((_, v)) => v.push(it),
+            Some(k) => k,
             None => {
-                let t = Target {
+                targets.push(Target {
                     stream: it.target.stream.clone(),
                     sync: it.target.sync,
-                };
-                per.push((t, vec![it]));
+                });
+                targets.len() - 1
             }
-        }
+        };
+        at.push(k);
     }
-    for (_, v) in per.iter_mut() {
-        v.sort_by_key(|it| !it.is_send);
-    }
-    let deferred = per
+    let deferred = items
         .iter()
-        .any(|(t, v)| !t.stream.capturing() && v.iter().any(|it| !it.comm.blocking));
+        .any(|it| !it.target.stream.capturing() && !it.comm.blocking);
     let mut result = ncclResult_t::ncclSuccess;
     // The group is one launch per communicator: its items on every stream
     // share one ticket of the communicator's chain (one per chain, see
-    // `Tickets`). Work recorded on a capturing stream takes its tickets at
-    // each graph launch instead.
+    // `Tickets`). Work recorded on a capturing stream takes its tickets
+    // and numbers at each graph launch instead.
     let mut tickets = Tickets::default();
-    let recorded = |t: &Target, v: Vec<GroupItem>| {
-        let items = v.into_iter().map(|it| (it.comm, it.body)).collect();
-        stream::enqueue(t, group_launcher(items));
+    let mut launched: Vec<Vec<Launched>> = targets.iter().map(|_| Vec::new()).collect();
+    let mut recorded: Vec<Vec<Captured>> = targets.iter().map(|_| Vec::new()).collect();
+    for (it, k) in items.into_iter().zip(at) {
+        if targets[k].stream.capturing() {
+            recorded[k].push((it.comm, it.body, it.is_send));
+            continue;
+        }
+        let (work, need) = launch(&it.comm, &it.body, tickets.of(&it.comm));
+        launched[k].push(Launched {
+            comm: it.comm,
+            is_send: it.is_send,
+            work,
+            need,
+        });
+    }
+    drop(tickets);
+    for (t, r) in targets.iter().zip(recorded) {
+        if !r.is_empty() {
+            stream::enqueue(t, group_launcher(r));
+        }
+    }
+    let launched: Vec<(Target, Vec<Launched>)> = targets
+        .into_iter()
+        .zip(launched)
+        .filter(|(_, v)| !v.is_empty())
+        .collect();
+    // With several streams, each stream's part meets the others before
+    // and after its items (`Join`).
+    let join = (launched.len() > 1).then(|| {
+        let mut comms: Vec<Arc<Comm>> = Vec::new();
+        for l in launched.iter().flat_map(|(_, v)| v) {
+            if !comms.iter().any(|c| Arc::ptr_eq(c, &l.comm)) {
+                comms.push(l.comm.clone());
+            }
+        }
+        Join::new(launched.len(), comms)
+    });
+    let part = |v: Vec<Launched>| -> Part {
+        let mut comms: Vec<Arc<Comm>> = Vec::new();
+        let mut needs = Vec::new();
+        let mut works = Vec::with_capacity(v.len());
+        for l in sends_first(v) {
+            if !comms.iter().any(|c| Arc::ptr_eq(c, &l.comm)) {
+                comms.push(l.comm.clone());
+            }
+            needs.push((l.comm, l.need));
+            works.push(l.work);
+        }
+        let work = match &join {
+            Some(j) => j.part(works),
+            None => sequence(works),
+        };
+        Part { comms, work, needs }
     };
     if deferred {
         let mut job = Job::default();
-        for (t, v) in per {
-            if t.stream.capturing() {
-                recorded(&t, v);
-                continue;
+        for (t, v) in launched {
+            let Part { comms, work, needs } = part(v);
+            for (c, need) in needs {
+                job.add_comm(&c, need);
             }
-            let mut works = Vec::with_capacity(v.len());
-            for it in v {
-                let (w, need) = launch(&it.comm, &it.body, tickets.of(&it.comm));
-                job.add_comm(&it.comm, need);
-                works.push((it.comm, w));
-            }
-            job.items.push((t, works));
+            // A part is dropped unrun only once all its communicators are
+            // aborted, which also ends the other parts' waits for it; an
+            // item of an aborted communicator in a part that runs ends
+            // unrun by itself (`launch`).
+            job.items.push((t, vec![(comms, work)]));
         }
-        drop(tickets);
         defer(job);
         result = ncclResult_t::ncclInProgress;
     } else {
         let mut waits = Vec::new();
-        for (t, v) in per {
-            if t.stream.capturing() {
-                recorded(&t, v);
-                continue;
-            }
-            let works = v
-                .iter()
-                .map(|it| launch(&it.comm, &it.body, tickets.of(&it.comm)).0)
-                .collect();
-            stream::push_launched(&t, sequence(works));
+        for (t, v) in launched {
+            stream::push_launched(&t, part(v).work);
             if t.sync {
                 waits.push(t.stream);
             }
         }
-        drop(tickets);
         for s in waits {
             s.wait_idle().map_err(|e| {
                 err(
@@ -180,6 +226,29 @@ pub(super) fn group_end() -> R<ncclResult_t> {
         }
     }
     Ok(result)
+}
+
+/// A group item launched on a stream that is not capturing.
+struct Launched {
+    comm: Arc<Comm>,
+    is_send: bool,
+    work: Work,
+    need: Need,
+}
+
+/// One stream's part of a group launch: its communicators, its work, and
+/// what each item's first operation waits for.
+struct Part {
+    comms: Vec<Arc<Comm>>,
+    work: Work,
+    needs: Vec<(Arc<Comm>, Need)>,
+}
+
+/// `v` with its sends first, each part in call order.
+fn sends_first(v: Vec<Launched>) -> Vec<Launched> {
+    let (mut sends, rest): (Vec<_>, Vec<_>) = v.into_iter().partition(|l| l.is_send);
+    sends.extend(rest);
+    sends
 }
 
 /// `ncclGroupSimulateEnd`: not implemented.

@@ -12,6 +12,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use parking_lot::{Condvar, Mutex};
+
 use cuda_sys::cudaStream_t;
 use nccl_sys::ncclResult_t;
 
@@ -20,7 +22,7 @@ use super::data::Dt;
 use super::errors::err;
 use super::group::{GROUP, GroupItem, in_group};
 use super::world::{Desc, Peers, World, run_coll, run_recv, run_send};
-use super::{POLL, R};
+use super::{POLL, R, TICK};
 use crate::driver;
 use crate::fault::{self, Fault};
 use crate::stream::{self, Launcher, Target, Work};
@@ -62,6 +64,56 @@ impl Tickets {
     }
 }
 
+/// The streams of one group launch. NCCL makes every stream of a group
+/// wait for all of them before the group's kernel, and all of them wait
+/// for the kernel after it ("Mixing Multiple Streams within the same
+/// ncclGroupStart/End() group" in NCCL's user guide): each stream's part
+/// first [`meet`](Join::meet)s the others' arrival, then runs its items,
+/// then meets the others' end. A wait ends early once one of the group's
+/// communicators is aborted, so an abort never leaves a stream waiting.
+pub(super) struct Join {
+    parts: usize,
+    comms: Vec<Arc<Comm>>,
+    /// How many parts arrived, and how many ran their items.
+    st: Mutex<[usize; 2]>,
+    cv: Condvar,
+}
+
+impl Join {
+    /// A join of `parts` streams over `comms`.
+    pub(super) fn new(parts: usize, comms: Vec<Arc<Comm>>) -> Arc<Join> {
+        Arc::new(Join {
+            parts,
+            comms,
+            st: Mutex::new([0; 2]),
+            cv: Condvar::new(),
+        })
+    }
+
+    /// Counts this part in `phase` (0: arrived, 1: ran) and waits until
+    /// every part has, or one of the communicators is aborted.
+    fn meet(&self, phase: usize) {
+        let mut st = self.st.lock();
+        st[phase] += 1;
+        self.cv.notify_all();
+        while st[phase] < self.parts && !self.comms.iter().any(|c| c.aborted()) {
+            self.cv.wait_for(&mut st, TICK);
+        }
+    }
+
+    /// `works` as one stream's part of the join.
+    pub(super) fn part(self: &Arc<Self>, works: Vec<Work>) -> Work {
+        let join = self.clone();
+        Box::new(move || {
+            join.meet(0);
+            for w in works {
+                w();
+            }
+            join.meet(1);
+        })
+    }
+}
+
 /// Work items run in order as one task.
 pub(super) fn sequence(works: Vec<Work>) -> Work {
     Box::new(move || {
@@ -77,16 +129,29 @@ pub(super) fn launcher(comm: Arc<Comm>, body: Arc<Body>) -> Launcher {
     Arc::new(move || launch(&comm, &body, comm.chain.take()).0)
 }
 
-/// A launcher of a group's items on one capturing stream: each launch (each
-/// graph launch) takes one ticket per chain for all its items.
-pub(super) fn group_launcher(items: Vec<(Arc<Comm>, Arc<Body>)>) -> Launcher {
+/// A group item recorded on a capturing stream: its communicator, its
+/// operation and whether it is a send.
+pub(super) type Captured = (Arc<Comm>, Arc<Body>, bool);
+
+/// A launcher of a group's items (in call order, each with whether it is a
+/// send) on one capturing stream: each launch (each graph launch) takes
+/// one ticket per chain for all its items and their sequence numbers in
+/// call order, and runs the sends first.
+pub(super) fn group_launcher(items: Vec<Captured>) -> Launcher {
     Arc::new(move || {
         let mut tickets = Tickets::default();
-        let works = items
-            .iter()
-            .map(|(c, b)| launch(c, b, tickets.of(c)).0)
-            .collect();
-        sequence(works)
+        let mut sends = Vec::new();
+        let mut rest = Vec::new();
+        for (c, b, is_send) in &items {
+            let w = launch(c, b, tickets.of(c)).0;
+            if *is_send {
+                sends.push(w)
+            } else {
+                rest.push(w)
+            }
+        }
+        sends.extend(rest);
+        sequence(sends)
     })
 }
 
@@ -127,9 +192,13 @@ impl Need {
 /// The work first waits for its turn on the communicator's chain; aborted
 /// meanwhile, it ends without touching memory.
 pub(super) fn launch(comm: &Arc<Comm>, body: &Arc<Body>, ticket: Arc<Ticket>) -> (Work, Need) {
+    // A collective's number among the communicator's collectives, a
+    // send's (receive's) among its sends to (receives from) that peer:
+    // both in issue order.
     let seq = match **body {
         Body::Coll(_) => comm.seq.fetch_add(1, Ordering::AcqRel) + 1,
-        _ => 0,
+        Body::Send { peer, .. } => comm.next_p2p(peer, true),
+        Body::Recv { peer, .. } => comm.next_p2p(peer, false),
     };
     let (rank, world) = {
         let mut st = comm.st.lock();
@@ -185,8 +254,8 @@ pub(super) fn launch(comm: &Arc<Comm>, body: &Arc<Body>, ticket: Arc<Ticket>) ->
     (work, need)
 }
 
-/// Launched work and the communicator it belongs to.
-pub(super) type CommWork = (Arc<Comm>, Work);
+/// Launched work and the communicators whose operations it runs.
+pub(super) type CommWork = (Vec<Arc<Comm>>, Work);
 
 /// Work of non-blocking communicators that NCCL's background thread
 /// enqueues later.
@@ -229,7 +298,8 @@ pub(super) fn finish(comms: &[Arc<Comm>]) {
 /// Hands `job` to a background thread that enqueues it after a short
 /// random delay and, for first operations, once the peers' matching
 /// operations are launched; until then its communicators are pending.
-/// Work of a communicator aborted meanwhile is dropped, not enqueued.
+/// Work whose communicators were all aborted meanwhile is dropped, not
+/// enqueued.
 pub(super) fn defer(job: Job) {
     for c in &job.comms {
         c.st.lock().pending += 1;
@@ -251,7 +321,7 @@ pub(super) fn defer(job: Job) {
             for (t, works) in job.items {
                 let works: Vec<Work> = works
                     .into_iter()
-                    .filter(|(c, _)| !c.aborted())
+                    .filter(|(cs, _)| !cs.iter().all(|c| c.aborted()))
                     .map(|(_, w)| w)
                     .collect();
                 if !works.is_empty() {
@@ -305,7 +375,7 @@ pub(super) fn run(comm: &Arc<Comm>, seq: u64, f: Option<Fault>, body: &Body) {
                 count,
                 dt,
             },
-        ) => run_send(w, rank, *peer, *buf, *count, *dt),
+        ) => run_send(w, rank, *peer, seq, *buf, *count, *dt),
         (
             Peers::Net(m),
             Body::Send {
@@ -314,7 +384,7 @@ pub(super) fn run(comm: &Arc<Comm>, seq: u64, f: Option<Fault>, body: &Body) {
                 count,
                 dt,
             },
-        ) => m.run_send(*peer, *buf, *count, *dt),
+        ) => m.run_send(*peer, seq, *buf, *count, *dt),
         (
             Peers::Local(w),
             Body::Recv {
@@ -323,7 +393,7 @@ pub(super) fn run(comm: &Arc<Comm>, seq: u64, f: Option<Fault>, body: &Body) {
                 count,
                 dt,
             },
-        ) => run_recv(w, rank, *peer, *buf, *count, *dt),
+        ) => run_recv(w, rank, *peer, seq, *buf, *count, *dt),
         (
             Peers::Net(m),
             Body::Recv {
@@ -332,7 +402,7 @@ pub(super) fn run(comm: &Arc<Comm>, seq: u64, f: Option<Fault>, body: &Body) {
                 count,
                 dt,
             },
-        ) => m.run_recv(*peer, *buf, *count, *dt),
+        ) => m.run_recv(*peer, seq, *buf, *count, *dt),
     };
     match outcome {
         Some(Ok(())) if f == Some(Fault::Async) => {
@@ -375,7 +445,7 @@ pub(super) fn submit_op(
         let (w, need) = launch(comm, &body, comm.chain.take());
         let mut job = Job::default();
         job.add_comm(comm, need);
-        job.items.push((target, vec![(comm.clone(), w)]));
+        job.items.push((target, vec![(vec![comm.clone()], w)]));
         defer(job);
         return Ok(ncclResult_t::ncclInProgress);
     }

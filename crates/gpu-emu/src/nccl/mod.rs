@@ -4,13 +4,22 @@
 //! Ranks of one unique id meet in a process-wide registry of the process
 //! that made the id. When every rank is a thread of that process they
 //! share a `World` (`world`), where collectives meet by sequence number and
-//! sends post copies of their data into per-pair mailboxes; when some are
+//! sends post copies of their data into mailboxes keyed by their number;
+//! when some are
 //! other processes, every rank gets a mesh of loopback links (`net`), and
 //! each computes its own outputs from its peers' messages.
 //!
 //! Invariants:
 //! - A collective's sequence number is taken at launch (the API call, or the
-//!   graph launch of captured work), so every rank agrees on matching.
+//!   graph launch of captured work), so every rank agrees on matching. So
+//!   is a send's (receive's) number among its communicator's sends to
+//!   (receives from) that peer: the `k`-th send from `a` to `b` matches
+//!   `b`'s `k`-th receive from `a`, in call order whatever the streams, as
+//!   NCCL matches them. Within a group the items are numbered in call
+//!   order; each stream's part runs its sends first (a send only posts),
+//!   and the parts on several streams wait for each other before and
+//!   after their items, as NCCL makes a group's streams wait for each
+//!   other.
 //! - In process, a collective is computed once, by the last rank to
 //!   arrive, under the world's lock: every input is read before any output
 //!   is written (in-place works), and no output is written once a

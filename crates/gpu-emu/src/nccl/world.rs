@@ -1,6 +1,8 @@
 //! The in-process meeting of a communicator's ranks: a [`World`] where
 //! collectives meet by sequence number and sends post copies of their data
-//! into per-pair mailboxes.
+//! into mailboxes keyed by (source, destination, the send's number among
+//! the source's sends to the destination), which the receive of the same
+//! number takes.
 //!
 //! Invariants: a collective is computed once, by the last rank to arrive,
 //! under the world's lock: every input is read before any output is written
@@ -9,7 +11,7 @@
 //! `ncclCommAbort` returns. Every access to device memory goes through
 //! `memory::access`, all or nothing.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use nccl_sys::ncclResult_t;
@@ -105,7 +107,9 @@ pub(super) struct WorldSt {
     /// send side).
     pub(super) p2p: BTreeMap<(usize, usize, bool), u64>,
     pub(super) slots: BTreeMap<u64, Slot>,
-    pub(super) mail: BTreeMap<(usize, usize), VecDeque<Msg>>,
+    /// Sends posted and not yet received, by (source, destination, the
+    /// send's number among the source's sends to the destination).
+    pub(super) mail: BTreeMap<(usize, usize, u64), Msg>,
     pub(super) splits: BTreeMap<u64, Vec<Option<SplitEntry>>>,
 }
 
@@ -316,10 +320,12 @@ pub(super) fn run_coll(w: &World, r: usize, seq: u64, d: Desc) -> Option<Result<
     }
 }
 
+/// Posts send number `seq` of rank `r` to `peer`.
 pub(super) fn run_send(
     w: &World,
     r: usize,
     peer: usize,
+    seq: u64,
     buf: u64,
     count: usize,
     dt: Dt,
@@ -332,18 +338,18 @@ pub(super) fn run_send(
         Ok(d) => d,
         Err(e) => return Some(Err(e)),
     };
-    st.mail
-        .entry((r, peer))
-        .or_default()
-        .push_back(Msg { data, count, dt });
+    st.mail.insert((r, peer, seq), Msg { data, count, dt });
     w.cv.notify_all();
     Some(Ok(()))
 }
 
+/// Receive number `seq` of rank `r` from `peer`: it matches that peer's
+/// send number `seq` to `r`.
 pub(super) fn run_recv(
     w: &World,
     r: usize,
     peer: usize,
+    seq: u64,
     buf: u64,
     count: usize,
     dt: Dt,
@@ -353,7 +359,7 @@ pub(super) fn run_recv(
         if st.aborted[r] {
             return None;
         }
-        if let Some(m) = st.mail.get_mut(&(peer, r)).and_then(VecDeque::pop_front) {
+        if let Some(m) = st.mail.remove(&(peer, r, seq)) {
             break m;
         }
         w.cv.wait_for(&mut st, TICK);

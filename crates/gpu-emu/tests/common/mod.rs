@@ -208,6 +208,23 @@ pub fn sync(s: CUstream) {
     ck(unsafe { cuda_sys::call!(cuda(), cuStreamSynchronize(s)) }.unwrap());
 }
 
+/// Polls `s` until its work has run, asserted successful within `within`.
+#[track_caller]
+pub fn sync_within(s: CUstream, within: std::time::Duration) {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        match query(s) {
+            CUresult::CUDA_ERROR_NOT_READY => {}
+            r => return ck(r),
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the stream's work did not finish within {within:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
+}
+
 /// `cuStreamDestroy_v2`, asserted successful.
 pub fn destroy_stream(s: CUstream) {
     // SAFETY: `s` is a stream handle.

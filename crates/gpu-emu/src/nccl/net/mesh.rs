@@ -25,7 +25,7 @@
 //! - A reader ends at its link's end, or [`DRAIN`] after this rank closed
 //!   the mesh; the link's socket closes when the mesh is dropped.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{Shutdown, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -80,7 +80,9 @@ struct MeshSt {
     closed_at: Option<Instant>,
     peers: Vec<Option<Peer>>,
     coll: BTreeMap<(u64, usize), CollMsg>,
-    p2p: BTreeMap<usize, VecDeque<P2pMsg>>,
+    /// Sends received and not yet matched, by (source, the send's number
+    /// among the source's sends to this rank).
+    p2p: BTreeMap<(usize, u64), P2pMsg>,
     splits: BTreeMap<(u64, usize), (i32, i32)>,
     /// Splits this rank takes no part in: their messages are dropped.
     discard: BTreeSet<u64>,
@@ -124,7 +126,7 @@ fn remote(msg: String) -> CollErr {
 /// A message on its way in.
 enum Partial {
     Coll(u64, CollMsg, usize),
-    P2p(P2pMsg, usize),
+    P2p(u64, P2pMsg, usize),
 }
 
 impl Mesh {
@@ -237,8 +239,17 @@ impl Mesh {
                     };
                     cur = Some(Partial::Coll(seq, msg, total as usize));
                 }
-                (Frame::P2p { dt, count, total }, None) => {
+                (
+                    Frame::P2p {
+                        seq,
+                        dt,
+                        count,
+                        total,
+                    },
+                    None,
+                ) => {
                     cur = Some(Partial::P2p(
+                        seq,
                         P2pMsg {
                             dt,
                             count,
@@ -250,7 +261,7 @@ impl Mesh {
                 (Frame::Chunk(b), Some(mut p)) => {
                     let (data, total) = match &mut p {
                         Partial::Coll(_, m, t) => (&mut m.data, *t),
-                        Partial::P2p(m, t) => (&mut m.data, *t),
+                        Partial::P2p(_, m, t) => (&mut m.data, *t),
                     };
                     if data.len() + b.len() > total {
                         self.lost(j, "it sent more than it announced".into());
@@ -280,7 +291,7 @@ impl Mesh {
             }
             let complete = match &cur {
                 Some(Partial::Coll(_, m, t)) => m.data.len() == *t,
-                Some(Partial::P2p(m, t)) => m.data.len() == *t,
+                Some(Partial::P2p(_, m, t)) => m.data.len() == *t,
                 None => false,
             };
             if complete {
@@ -289,7 +300,9 @@ impl Mesh {
                     Some(Partial::Coll(seq, m, _)) => {
                         st.coll.insert((seq, j), m);
                     }
-                    Some(Partial::P2p(m, _)) => st.p2p.entry(j).or_default().push_back(m),
+                    Some(Partial::P2p(seq, m, _)) => {
+                        st.p2p.insert((j, seq), m);
+                    }
                     None => {}
                 }
                 self.cv.notify_all();
@@ -485,10 +498,12 @@ impl Mesh {
         }
     }
 
-    /// Posts `count` elements at `buf` for peer `j`.
+    /// Posts `count` elements at `buf` for peer `j`, as this rank's send
+    /// number `seq` to it.
     pub(crate) fn run_send(
         &self,
         j: usize,
+        seq: u64,
         buf: u64,
         count: usize,
         dt: Dt,
@@ -501,6 +516,7 @@ impl Mesh {
             Err(e) => return Some(Err(e)),
         };
         let head = Frame::P2p {
+            seq,
             dt: dt.code(),
             count: count as u64,
             total: data.len() as u64,
@@ -508,18 +524,19 @@ impl Mesh {
         self.send(j, &head, &data)
     }
 
-    /// Receives the next message of peer `j` into `buf`.
+    /// Receives peer `j`'s send number `seq` to this rank into `buf`.
     pub(crate) fn run_recv(
         &self,
         j: usize,
+        seq: u64,
         buf: u64,
         count: usize,
         dt: Dt,
     ) -> Option<Result<(), CollErr>> {
         let m = match self.wait(
             &[j],
-            |st| st.p2p.get_mut(&j).and_then(VecDeque::pop_front),
-            |st, j| st.p2p.get(&j).is_some_and(|q| !q.is_empty()),
+            |st| st.p2p.remove(&(j, seq)),
+            |st, j| st.p2p.contains_key(&(j, seq)),
         )? {
             Ok(m) => m,
             Err(e) => return Some(Err(e)),

@@ -12,7 +12,8 @@
 //! - 5 `HelloOk`: empty;
 //! - 10 `Coll`: seq `u64`, kind `u8`, dt `u8`, op `u8`, count `u64`,
 //!   root `u32`, total `u64`;
-//! - 11 `P2p`: dt `u8`, count `u64`, total `u64`;
+//! - 11 `P2p`: seq `u64` (the send's number among the sender's sends to
+//!   this rank, from 1), dt `u8`, count `u64`, total `u64`;
 //! - 12 `Chunk`: payload bytes;
 //! - 13 `Split`: seq `u64`, color `i32`, key `i32`;
 //! - 14 `Bye`: empty.
@@ -77,6 +78,7 @@ pub(super) enum Frame {
         total: u64,
     },
     P2p {
+        seq: u64,
         dt: u8,
         count: u64,
         total: u64,
@@ -151,8 +153,14 @@ impl Frame {
                 b.extend_from_slice(&root.to_le_bytes());
                 b.extend_from_slice(&total.to_le_bytes());
             }
-            Frame::P2p { dt, count, total } => {
+            Frame::P2p {
+                seq,
+                dt,
+                count,
+                total,
+            } => {
                 b.push(11);
+                b.extend_from_slice(&seq.to_le_bytes());
                 b.push(*dt);
                 b.extend_from_slice(&count.to_le_bytes());
                 b.extend_from_slice(&total.to_le_bytes());
@@ -216,6 +224,7 @@ impl Frame {
                 total: c.u64()?,
             },
             11 => Frame::P2p {
+                seq: c.u64()?,
                 dt: c.u8()?,
                 count: c.u64()?,
                 total: c.u64()?,
@@ -436,6 +445,7 @@ mod tests {
                 total: 77,
             },
             Frame::P2p {
+                seq: 4,
                 dt: 7,
                 count: 3,
                 total: 12,
