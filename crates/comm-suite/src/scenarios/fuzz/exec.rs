@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use anyhow::Context as _;
 use metrale_comm::{CommBackend, CommError, NcclBackend, Registration};
-use nccl_safe::{Context, Graph, GraphExec, Stream};
+use nccl_safe::{Context, DeviceView, DeviceViewMut, Graph, GraphExec, Stream, StreamRef};
 use parking_lot::Mutex;
 
 use super::super::turns::Turns;
@@ -85,6 +85,23 @@ fn slot(st: &mut RankState, s: u32) -> anyhow::Result<&mut Mem> {
 }
 
 /// `r`, or its error, led by `what` unless the error names it already.
+/// A send (view, destination, stream) and a receive (view, source,
+/// stream), called in that order or the receive first: the first error.
+fn send_recv(
+    be: &NcclBackend,
+    (send, to, s): (DeviceView<'_>, usize, StreamRef<'_>),
+    (recv, from, rs): (DeviceViewMut<'_>, usize, StreamRef<'_>),
+    recv_first: bool,
+) -> Result<(), CommError> {
+    if recv_first {
+        be.recv_from(recv, from, rs)
+            .and_then(|()| be.send_to(send, to, s))
+    } else {
+        be.send_to(send, to, s)
+            .and_then(|()| be.recv_from(recv, from, rs))
+    }
+}
+
 pub(super) fn call(what: &str, r: Result<(), CommError>) -> anyhow::Result<()> {
     r.map_err(|e| {
         let m = e.to_string();
@@ -250,16 +267,21 @@ impl Run<'_> {
             Op::SendRecv {
                 b,
                 stream: s,
+                recv_stream: rs,
                 shift,
+                recv_first,
                 ..
             } => {
                 let be = &self.backends[*b];
                 let (to, from) = ((rank + shift) % w, (rank + w - shift) % w);
                 call("group_start", be.group_start())?;
                 let (send, recv) = pair(mems, 0);
-                let r = be
-                    .send_to(send, to, stream(*s))
-                    .and_then(|()| be.recv_from(recv, from, stream(*s)));
+                let r = send_recv(
+                    be,
+                    (send, to, stream(*s)),
+                    (recv, from, stream(*rs)),
+                    *recv_first,
+                );
                 let end = be.group_end();
                 call("send_to/recv_from", r)?;
                 call("group_end", end)
@@ -412,11 +434,21 @@ impl Run<'_> {
                     let (send, recv) = pair(mems, k);
                     be.reduce_scatter(send, recv)
                 }
-                Item::SendRecv { stream, shift, .. } => {
+                Item::SendRecv {
+                    stream,
+                    recv_stream,
+                    shift,
+                    recv_first,
+                    ..
+                } => {
                     let (to, from) = ((rank + shift) % w, (rank + w - shift) % w);
                     let (send, recv) = pair(mems, k);
-                    be.send_to(send, to, s(*stream))
-                        .and_then(|()| be.recv_from(recv, from, s(*stream)))
+                    send_recv(
+                        be,
+                        (send, to, s(*stream)),
+                        (recv, from, s(*recv_stream)),
+                        *recv_first,
+                    )
                 }
             };
             k += match it {

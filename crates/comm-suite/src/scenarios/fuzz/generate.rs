@@ -236,7 +236,9 @@ pub(super) fn generate(seed: u64, world: usize) -> Program {
                 b,
                 n: g.small(),
                 stream,
+                recv_stream: g.below(streams),
                 shift: 1 + g.below(world - 1),
+                recv_first: g.chance(1, 2),
             },
             Kind::SendOne => {
                 let from = g.below(world);
@@ -271,7 +273,9 @@ pub(super) fn generate(seed: u64, world: usize) -> Program {
                             _ => Item::SendRecv {
                                 n,
                                 stream,
+                                recv_stream: g.below(streams),
                                 shift: 1 + g.below(world - 1),
+                                recv_first: g.chance(1, 2),
                             },
                         }
                     })

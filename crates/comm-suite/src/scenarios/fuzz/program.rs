@@ -143,6 +143,17 @@ impl Ty {
     }
 }
 
+/// A send/recv pair's two calls, in call order, with their streams.
+fn pair_calls(shift: usize, stream: usize, recv_stream: usize, recv_first: bool) -> String {
+    let send = format!("send_to r+{shift} on s{stream}");
+    let recv = format!("recv_from r-{shift} on s{recv_stream}");
+    if recv_first {
+        format!("{recv}, {send}")
+    } else {
+        format!("{send}, {recv}")
+    }
+}
+
 pub(super) fn elems(n: usize, ty: Ty) -> String {
     format!("{n} {} ({})", ty.name(), size_name(n * ty.size()))
 }
@@ -226,10 +237,14 @@ pub(super) enum Item {
         n: usize,
         ty: Ty,
     },
+    /// Send to rank `r + shift` on s`stream`, receive from `r - shift` on
+    /// s`recv_stream`, the receive called first if `recv_first`.
     SendRecv {
         n: usize,
         stream: usize,
+        recv_stream: usize,
         shift: usize,
+        recv_first: bool,
     },
 }
 
@@ -244,9 +259,16 @@ impl fmt::Display for Item {
             Item::ReduceScatter { n, ty } => {
                 write!(f, "reduce_scatter {} per rank", elems(*n, *ty))
             }
-            Item::SendRecv { n, stream, shift } => write!(
+            Item::SendRecv {
+                n,
+                stream,
+                recv_stream,
+                shift,
+                recv_first,
+            } => write!(
                 f,
-                "send_to r+{shift}, recv_from r-{shift} {} on s{stream}",
+                "{} {}",
+                pair_calls(*shift, *stream, *recv_stream, *recv_first),
                 elems(*n, Ty::Bf16)
             ),
         }
@@ -305,12 +327,16 @@ pub(super) enum Op {
         b: usize,
         root: usize,
     },
-    /// Grouped: send to rank `r + shift`, receive from `r - shift`.
+    /// Grouped: send to rank `r + shift` on s`stream`, receive from
+    /// `r - shift` on s`recv_stream`, the receive called first if
+    /// `recv_first`.
     SendRecv {
         b: usize,
         n: usize,
         stream: usize,
+        recv_stream: usize,
         shift: usize,
+        recv_first: bool,
     },
     /// Rank `from` sends, rank `to` receives; the others do nothing.
     SendOne {
@@ -417,10 +443,13 @@ impl fmt::Display for Op {
                 b,
                 n,
                 stream,
+                recv_stream,
                 shift,
+                recv_first,
             } => write!(
                 f,
-                "b{b} group(send_to r+{shift}, recv_from r-{shift}) {} on s{stream}",
+                "b{b} group({}) {}",
+                pair_calls(*shift, *stream, *recv_stream, *recv_first),
                 elems(*n, Ty::Bf16)
             ),
             Op::SendOne {

@@ -189,8 +189,17 @@ fn each_ref(op: &mut Op, b: &mut impl FnMut(&mut usize), s: &mut impl FnMut(&mut
         | Op::Register { b: x, .. }
         | Op::Synchronize { b: x }
         | Op::Bad { b: x, .. } => b(x),
+        Op::SendRecv {
+            b: x,
+            stream,
+            recv_stream,
+            ..
+        } => {
+            b(x);
+            s(stream);
+            s(recv_stream);
+        }
         Op::AllReduceAsync { b: x, stream, .. }
-        | Op::SendRecv { b: x, stream, .. }
         | Op::SendOne { b: x, stream, .. }
         | Op::Capture { b: x, stream, .. } => {
             b(x);
@@ -199,8 +208,17 @@ fn each_ref(op: &mut Op, b: &mut impl FnMut(&mut usize), s: &mut impl FnMut(&mut
         Op::Group { b: x, items } => {
             b(x);
             for it in items {
-                if let Item::AllReduceAsync { stream, .. } | Item::SendRecv { stream, .. } = it {
-                    s(stream);
+                match it {
+                    Item::AllReduceAsync { stream, .. } => s(stream),
+                    Item::SendRecv {
+                        stream,
+                        recv_stream,
+                        ..
+                    } => {
+                        s(stream);
+                        s(recv_stream);
+                    }
+                    _ => {}
                 }
             }
         }
