@@ -64,6 +64,8 @@ fn refusal(c: &mut Criterion) {
         kind: FailureKind::Timeout {
             after: Duration::from_secs(60),
         },
+        backend: 1,
+        elsewhere: Vec::new(),
     });
     c.bench_function("refusal/poisoned", |b| {
         b.iter(|| black_box(health.check(black_box("all_reduce"), 0, 2).is_err()))

@@ -61,6 +61,8 @@ const TWO_RANKS: &[&str] = &[
     "int_shutdown_after_failure",
     "int_reconnect_aborts_waiters",
     "int_shutdown_idle_worker",
+    "two_worlds_concurrent",
+    "two_worlds_free_deadlock",
     "fuzz_schedules",
 ];
 

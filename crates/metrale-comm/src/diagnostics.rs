@@ -284,6 +284,23 @@ impl FlightRecorder {
         self.ring.lock().slot(seq).map(|s| s.to_record())
     }
 
+    /// Up to `max` records never seen complete (`Enqueued`, or `TimedOut`:
+    /// a timed-out operation still waits on the GPU until its abort),
+    /// oldest first.
+    pub fn in_flight(&self, max: usize) -> Vec<OpRecord> {
+        let slots: Vec<Slot> = {
+            let ring = self.ring.lock();
+            let cap = ring.slots.len() as u64;
+            let first = ring.last_seq.saturating_sub(cap) + 1;
+            (first..=ring.last_seq)
+                .filter_map(|seq| ring.slot(seq).copied())
+                .filter(|s| matches!(s.state, OpState::Enqueued | OpState::TimedOut))
+                .take(max)
+                .collect()
+        };
+        slots.into_iter().map(Slot::to_record).collect()
+    }
+
     /// Every record in the ring, oldest first.
     pub fn snapshot(&self) -> Vec<OpRecord> {
         let slots: Vec<Slot> = {

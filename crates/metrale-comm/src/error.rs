@@ -213,6 +213,53 @@ pub struct Failure {
     pub generation: u64,
     /// What happened.
     pub kind: FailureKind,
+    /// The failing backend's number in this process (`NcclBackend::id`).
+    pub backend: u64,
+    /// For a timeout: what the process's other communicators had in flight
+    /// when it was seen. Communicators that share devices can deadlock on
+    /// each other (ranks that issue their work in different orders, or a
+    /// free that waits for a whole device while another communicator's
+    /// kernel waits for a peer); this names the other side.
+    pub elsewhere: Vec<InFlightElsewhere>,
+}
+
+/// An operation another backend of this process had in flight when a
+/// [`Failure`] was recorded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct InFlightElsewhere {
+    /// That backend's number in this process (`NcclBackend::id`).
+    pub backend: u64,
+    /// Its rank.
+    pub rank: usize,
+    /// Its number of ranks.
+    pub world_size: usize,
+    /// Its CUDA device.
+    pub device: usize,
+    /// The operation.
+    pub op: String,
+    /// Its sequence number in that backend's flight recorder.
+    pub seq: u64,
+    /// How long it had been in flight.
+    pub pending_for: Duration,
+    /// That backend had already recorded it as timed out.
+    pub timed_out: bool,
+}
+
+impl fmt::Display for InFlightElsewhere {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "backend {} (rank {} of {}, device {}): {} seq {} for {:.1?}",
+            self.backend,
+            self.rank,
+            self.world_size,
+            self.device,
+            self.op,
+            self.seq,
+            self.pending_for
+        )
+    }
 }
 
 /// The kind of a [`Failure`].
@@ -257,15 +304,25 @@ impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} (seq {}, rank {} of {}, generation {}) ",
-            self.op, self.seq, self.rank, self.world_size, self.generation
+            "{} (seq {}, rank {} of {}, generation {}, backend {}) ",
+            self.op, self.seq, self.rank, self.world_size, self.generation, self.backend
         )?;
         match &self.kind {
             FailureKind::Timeout { after } => write!(f, "did not complete within {after:?}"),
             FailureKind::AsyncError(e) => write!(f, "hit an asynchronous NCCL error: {e}"),
             FailureKind::CallFailed(e) => write!(f, "failed: {e}"),
             FailureKind::Reconnect(e) => write!(f, "could not reconnect: {e}"),
+        }?;
+        if !self.elsewhere.is_empty() {
+            write!(
+                f,
+                "; in flight meanwhile on this process's other communicators:"
+            )?;
+            for (i, x) in self.elsewhere.iter().enumerate() {
+                write!(f, "{} {x}", if i == 0 { "" } else { ";" })?;
+            }
         }
+        Ok(())
     }
 }
 

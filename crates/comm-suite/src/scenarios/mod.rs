@@ -15,6 +15,7 @@ pub mod reliability;
 pub mod safe;
 pub mod scale;
 pub mod turns;
+pub mod two_worlds;
 
 use crate::{Needs, Scenario};
 
@@ -401,11 +402,29 @@ pub fn all() -> Vec<Scenario> {
             integrity::shutdown_idle_worker,
         ),
         s(
+            "two_worlds_concurrent",
+            "two worlds over the same devices used at once by a thread each, every op checked",
+            2,
+            None,
+            &[2, 3],
+            Nothing,
+            two_worlds::concurrent,
+        ),
+        s(
+            "two_worlds_free_deadlock",
+            "a free under the other world's pending all-reduce: a timeout naming both, then recovery",
+            2,
+            Some(2),
+            &[2],
+            Nothing,
+            two_worlds::free_deadlock,
+        ),
+        s(
             "fuzz_schedules",
             "random seeded programs of every operation, 1-4 threads per rank, shrunk on failure",
             1,
             None,
-            &[1, 2, 3],
+            &[1, 2, 3, 4],
             Nothing,
             fuzz::schedules,
         ),

@@ -43,6 +43,7 @@
 //!   one, and it returns as soon as the backend fails, reconnects or shuts
 //!   down.
 
+mod census;
 mod fast_path;
 mod lifecycle;
 mod one_shot;
@@ -129,7 +130,9 @@ struct Inner {
     /// call.
     abort: Mutex<Option<AbortHandle>>,
     health: Health,
-    recorder: FlightRecorder,
+    recorder: Arc<FlightRecorder>,
+    /// This backend's place in the process's census of backends.
+    census: census::Registration,
     watched: Mutex<WatchQueues>,
     generation: AtomicU64,
     /// The sequence number of the submission now inside an NCCL call on a
@@ -275,6 +278,12 @@ impl NcclBackend {
         unsafe { nccl_safe::StreamRef::from_raw(raw) }
     }
 
+    /// This backend's number, unique in the process: errors and logs name
+    /// backends by it ([`Failure::backend`], [`crate::error::InFlightElsewhere`]).
+    pub fn id(&self) -> u64 {
+        self.inner.census.id()
+    }
+
     /// The flight recorder of recent submissions.
     pub fn recorder(&self) -> &FlightRecorder {
         &self.inner.recorder
@@ -361,10 +370,13 @@ impl Inner {
             }
         };
         let slot = Slot::new(&ctx)?;
+        let recorder = Arc::new(FlightRecorder::new(config.flight_recorder_capacity));
+        let census = census::Registration::new(config.device, rank, world_size, &recorder);
         Ok(Arc::new(Inner {
             rank,
             world_size,
-            recorder: FlightRecorder::new(config.flight_recorder_capacity),
+            recorder,
+            census,
             config,
             ctx,
             rendezvous,

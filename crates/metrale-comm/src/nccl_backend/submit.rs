@@ -365,9 +365,12 @@ impl Inner {
     /// Poisons the backend with its first failure (later calls return the
     /// first), aborts the communicator, dumps the flight recorder.
     pub(super) fn poison(&self, op: &'static str, seq: u64, kind: FailureKind) -> Arc<Failure> {
-        let state = match kind {
-            FailureKind::Timeout { .. } => OpState::TimedOut,
-            _ => OpState::Failed,
+        let (state, elsewhere) = match kind {
+            FailureKind::Timeout { .. } if !self.health.is_poisoned() => {
+                (OpState::TimedOut, self.census.in_flight_elsewhere())
+            }
+            FailureKind::Timeout { .. } => (OpState::TimedOut, Vec::new()),
+            _ => (OpState::Failed, Vec::new()),
         };
         let (failure, first) = self.health.poison(|| Failure {
             op,
@@ -376,6 +379,8 @@ impl Inner {
             world_size: self.world_size,
             generation: self.generation.load(Ordering::Acquire),
             kind,
+            backend: self.census.id(),
+            elsewhere,
         });
         if !first {
             return failure;
