@@ -1,5 +1,8 @@
-//! `cargo xtask ptx [--check]`: compiles the project's CUDA kernels
-//! (`crates/metrale-comm/kernels/*.cu`) to the PTX committed beside them.
+//! `cargo xtask ptx [--check]`: writes the kernels' ABI header
+//! (`crates/metrale-comm/kernels/abi.h`, from `crates/kernel-abi`) and
+//! compiles the project's CUDA kernels (`crates/metrale-comm/kernels/*.cu`)
+//! to the PTX committed beside them; `--check` says whether both are
+//! current.
 //!
 //! nvcc is `nvcc` on `PATH`, else `$CUDA_HOME/bin/nvcc`, else the pinned
 //! CUDA 13.0 compiler wheels from PyPI (`nvidia-cuda-nvcc`, `nvidia-nvvm` for
@@ -46,6 +49,9 @@ const WHEELS: &[(&str, &str)] = &[
     ("nvidia-cuda-runtime==13.0.96", "include/cuda_runtime.h"),
 ];
 
+/// The kernels' ABI header, generated from `crates/kernel-abi`.
+const ABI_HEADER: &str = "crates/metrale-comm/kernels/abi.h";
+
 /// The kernels: source and committed PTX, relative to the workspace root.
 const KERNELS: &[(&str, &str)] = &[
     (
@@ -67,6 +73,18 @@ pub fn run(args: &[String]) -> Result<i32> {
     let out_dir = root.join("target/xtask-cache/ptx-out");
     std::fs::create_dir_all(&out_dir)?;
     let mut stale = Vec::new();
+    // The header first: the kernels include it (`#include "abi.h"` finds
+    // the one beside them).
+    if crate::update_generated(
+        "ptx",
+        &root,
+        ABI_HEADER,
+        &metrale_kernel_abi::cuda_header(),
+        check,
+    )? && check
+    {
+        stale.push(ABI_HEADER);
+    }
     for (src, dst) in KERNELS {
         let text = compile(&nvcc, &root.join(src), &out_dir)?;
         if crate::update_generated("ptx", &root, dst, &text, check)? && check {
@@ -75,7 +93,8 @@ pub fn run(args: &[String]) -> Result<i32> {
     }
     if !stale.is_empty() {
         eprintln!(
-            "xtask ptx --check: committed PTX differs from what {} produces: {}; \
+            "xtask ptx --check: committed files differ from what {} and crates/kernel-abi \
+             produce: {}; \
              run `cargo xtask ptx` (the committed PTX comes from the pinned \
              nvcc 13.0.88 wheel: with another nvcc on PATH the bytes differ)",
             nvcc.display(),

@@ -36,7 +36,7 @@ enum Kernel {
 impl Kernel {
     fn by_name(name: &str) -> Option<Self> {
         match name {
-            "bf16_add_inplace" => Some(Kernel::Bf16AddInplace),
+            metrale_kernel_abi::add::NAME => Some(Kernel::Bf16AddInplace),
             _ => crate::one_shot::Elem::by_name(name).map(Kernel::OneShotAllReduce),
         }
     }

@@ -38,6 +38,7 @@ use std::time::{Duration, Instant};
 
 use cuda_sys::CUresult;
 use half::{bf16, f16};
+use metrale_kernel_abi::one_shot::{self as abi, Status};
 
 use crate::driver;
 use crate::memory::{self, Span, range_ok};
@@ -62,9 +63,9 @@ impl Elem {
 
     fn name(self) -> &'static str {
         match self {
-            Elem::Bf16 => "bf16_one_shot_all_reduce",
-            Elem::F16 => "f16_one_shot_all_reduce",
-            Elem::F32 => "f32_one_shot_all_reduce",
+            Elem::Bf16 => abi::ENTRIES[0].0,
+            Elem::F16 => abi::ENTRIES[1].0,
+            Elem::F32 => abi::ENTRIES[2].0,
         }
     }
 
@@ -119,28 +120,30 @@ impl Elem {
     }
 }
 
-const SENTINEL: u32 = 0x8000_0000;
-const CTRL_BYTES: usize = 136;
-const OFF_FLAGS: u64 = 64;
-const OFF_TIMEOUT: u64 = 72;
-const OFF_RANK: u64 = 80;
-const OFF_WORLD: u64 = 84;
-const OFF_SLOT: u64 = 88;
-const OFF_LANES: u64 = 96;
-const OFF_FAILED: u64 = 128;
-/// How long a call waits before it reads the host's abort word
-/// (`OS_HOST_POLL_AFTER_NS`).
-const HOST_POLL_AFTER: Duration = Duration::from_micros(100);
-const LANE_BYTES: u64 = 16;
-const MAX_RANKS: usize = 8;
-/// The largest slot a launch may name (`OS_MAX_SLOT`: the kernel's offsets
-/// in a receive buffer are 32-bit).
-const MAX_SLOT: u64 = 1 << 26;
+// The kernels' ABI, from its one definition (`metrale-kernel-abi`).
+const SENTINEL: u32 = abi::SENTINEL;
+const CTRL_BYTES: usize = abi::CTRL_BYTES;
+const OFF_FLAGS: u64 = abi::OFF_FLAGS as u64;
+const OFF_TIMEOUT: u64 = abi::OFF_TIMEOUT_NS as u64;
+const OFF_RANK: u64 = abi::OFF_RANK as u64;
+const OFF_WORLD: u64 = abi::OFF_WORLD as u64;
+const OFF_SLOT: u64 = abi::OFF_SLOT_BYTES as u64;
+const OFF_LANES: u64 = abi::OFF_LANE as u64;
+const OFF_FAILED: u64 = abi::OFF_FAILED as u64;
+/// How long a call waits before it reads the host's abort word.
+const HOST_POLL_AFTER: Duration = Duration::from_nanos(abi::HOST_POLL_AFTER_NS);
+const LANE_BYTES: u64 = abi::LANE_BYTES as u64;
+/// The epoch's bits of a claim word.
+const EPOCH_MASK: u64 = (1 << abi::EPOCH_BITS) - 1;
+const MAX_RANKS: usize = abi::MAX_RANKS;
+/// The largest slot a launch may name (the kernel's offsets in a receive
+/// buffer are 32-bit).
+const MAX_SLOT: u64 = abi::MAX_SLOT_BYTES as u64;
 
-const STATUS_TIMEOUT: u32 = 1;
-const STATUS_ABORTED: u32 = 2;
-const STATUS_CONCURRENT: u32 = 3;
-const STATUS_BAD_LAUNCH: u32 = 4;
+const STATUS_TIMEOUT: u32 = Status::Timeout as u32;
+const STATUS_ABORTED: u32 = Status::Aborted as u32;
+const STATUS_CONCURRENT: u32 = Status::Concurrent as u32;
+const STATUS_BAD_LAUNCH: u32 = Status::BadLaunch as u32;
 
 /// Launch numbers (the GPU's `%gridid`), from which owner tags are made.
 static LAUNCHES: AtomicU64 = AtomicU64::new(1);
@@ -301,7 +304,7 @@ fn fail(ctrl: u64, flags: u64, code: u32) -> Option<()> {
     }
     memory::access(&[Span::any(flags, 8)], || {
         // SAFETY: the span holds both words for the store; aligned.
-        unsafe { word(flags + 4) }.store(code, Ordering::Release);
+        unsafe { word(flags + 4 * abi::FLAG_STATUS as u64) }.store(code, Ordering::Release);
     })
 }
 
@@ -313,11 +316,9 @@ fn failed(ctrl: u64) -> Option<u32> {
     })
 }
 
-/// A launch's owner tag (`os_tag`): `v` = its number mod 2^28 and its
-/// complement, `v | !v << 28`, 28 bits set in every tag.
+/// A launch's owner tag (`os_tag`, [`abi::owner_tag`]).
 fn tag(launch: u64) -> u64 {
-    let v = launch & 0xFFF_FFFF;
-    v | ((!v & 0xFFF_FFFF) << 28)
+    abi::owner_tag(launch)
 }
 
 /// One execution; `None` when memory it needed was not allocated.
@@ -328,7 +329,7 @@ fn run(e: Elem, (ctrl, data, n, lane): (u64, u64, usize, u32), tag: u64) -> Opti
     let c = memory::access(&[ctrl_span], || unsafe { read_ctrl(ctrl) })?;
     let fail = |code| fail(ctrl, c.flags, code);
     let slot = c.slot;
-    if lane > 1
+    if lane as usize >= abi::LANES
         || !(2..=MAX_RANKS).contains(&c.world)
         || c.rank >= c.world
         || n == 0
@@ -350,15 +351,15 @@ fn run(e: Elem, (ctrl, data, n, lane): (u64, u64, usize, u32), tag: u64) -> Opti
     // SAFETY: the lane's claim word (owner tag << 8 | epoch mod 256) lies
     // inside the control block, which the span holds.
     let taken = memory::access(&[ctrl_span], || unsafe {
-        let old = word64(lane_at).fetch_or(tag << 8, Ordering::AcqRel);
-        (old >> 8 == 0).then_some((old & 0xFF) as u32)
+        let old = word64(lane_at).fetch_or(tag << abi::EPOCH_BITS, Ordering::AcqRel);
+        (old >> abi::EPOCH_BITS == 0).then_some((old & EPOCH_MASK) as u32)
     })?;
     let Some(epoch) = taken else {
         return fail(STATUS_CONCURRENT);
     };
     let (world, rank) = (c.world, c.rank);
     let half = u64::from(epoch & 1);
-    let region = (u64::from(lane) * 2 + half) * world as u64 * slot;
+    let region = (u64::from(lane) * abi::HALVES as u64 + half) * world as u64 * slot;
     let units = n.div_ceil(e.per_unit());
     let used = units * 16;
     let data_span = Span::device(data, e.size() * n);
@@ -443,7 +444,7 @@ fn run(e: Elem, (ctrl, data, n, lane): (u64, u64, usize, u32), tag: u64) -> Opti
         if failed(ctrl)? != 0 {
             return Some(());
         }
-        if t0.elapsed() > HOST_POLL_AFTER && flag(c.flags, 0)? != 0 {
+        if t0.elapsed() > HOST_POLL_AFTER && flag(c.flags, abi::FLAG_ABORT as u64)? != 0 {
             return fail(STATUS_ABORTED);
         }
         if t0.elapsed() > c.timeout {
@@ -460,7 +461,7 @@ fn run(e: Elem, (ctrl, data, n, lane): (u64, u64, usize, u32), tag: u64) -> Opti
     // 4. Free the lane at the next epoch, in one store.
     // SAFETY: the lane lies inside the control block (the span).
     memory::access(&[ctrl_span], || unsafe {
-        word64(lane_at).store(u64::from((epoch + 1) & 0xFF), Ordering::Release);
+        word64(lane_at).store(u64::from(epoch + 1) & EPOCH_MASK, Ordering::Release);
     })
 }
 

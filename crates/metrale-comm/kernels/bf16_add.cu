@@ -23,7 +23,10 @@
 
 #include <cuda_bf16.h>
 
-#define BF16_ADD_BLOCK 256
+#include "abi.h"
+
+// The ABI this module was compiled against (crates/kernel-abi).
+extern "C" __device__ const unsigned long long metrale_kernel_abi = METRALE_KERNEL_ABI;
 
 // Adds the 8 bf16 values packed in b to those packed in a.
 __device__ __forceinline__ uint4 add8(uint4 a, uint4 b)

@@ -78,7 +78,7 @@
 // replayed after a reconnect or shutdown.
 //
 // Launch contract:
-//   params: ctrl  device pointer to this rank's OsCtrl (below);
+//   params: ctrl  device pointer to this rank's OsCtrl (abi.h);
 //           data  device pointer to n values of the entry's type, read and
 //                 written in place;
 //           n     element count, 1 <= n, n * sizeof(type) <= ctrl->slot_bytes;
@@ -94,45 +94,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#define OS_BLOCK 512
-// Blocks of OS_BLOCK threads an SM must hold at once: at most 64 registers
-// a thread, so a call's blocks leave room for other kernels' beside them,
-// and 8 ranks' calls simulated on one GPU (tests, benches) all fit at once.
-#define OS_MIN_BLOCKS 2
-#define OS_MAX_RANKS 8
-#define OS_SENTINEL 0x80000000u
-#define OS_POLL_EVERY 256
-#define OS_HOST_POLL_AFTER_NS 100000ull
-// The largest slot a launch may name: 2 lanes x 2 halves x 8 slots of it
-// span at most 2^31 bytes, so offsets in a receive buffer fit 32 bits.
-#define OS_MAX_SLOT (1u << 26)
+#include "abi.h"
 
-#define OS_STATUS_TIMEOUT 1u
-#define OS_STATUS_ABORTED 2u
-#define OS_STATUS_CONCURRENT 3u
-#define OS_STATUS_BAD_LAUNCH 4u
-
-// One lane's state, in this rank's device memory.
-struct OsLane {
-    unsigned long long claim;  // owner tag << 8 | epoch mod 256; free: tag 0
-    unsigned int arrived;      // blocks of the running call that finished
-    unsigned int pad;
-};
-
-// This rank's control block (136 bytes), in its device memory; the host
-// writes it at set-up. The offsets are a contract with the host code
-// (metrale-comm's nccl_backend/one_shot.rs) and the emulator.
-struct OsCtrl {
-    unsigned long long peer[OS_MAX_RANKS];  //   0: each rank's receive buffer, as mapped here
-    unsigned long long flags;               //  64: host-pinned u32 words: [0] abort, [1] status
-    unsigned long long timeout_ns;          //  72: how long a thread may spin
-    unsigned int rank;                      //  80
-    unsigned int world;                     //  84
-    unsigned long long slot_bytes;          //  88: bytes of one slot, a multiple of 16
-    OsLane lane[2];                         //  96, 112
-    unsigned int failed;                    // 128: the status recorded, 0: none
-    unsigned int pad;                       // 132
-};
+// The ABI this module was compiled against (crates/kernel-abi): the host
+// refuses a module whose value is not its own.
+extern "C" __device__ const unsigned long long metrale_kernel_abi = METRALE_KERNEL_ABI;
 
 __device__ __forceinline__ unsigned long long os_clock()
 {
@@ -142,16 +108,18 @@ __device__ __forceinline__ unsigned long long os_clock()
 }
 
 // This launch's owner tag, in the high 56 bits of a lane's claim word:
-// v = %gridid mod 2^28 (a new number for every launch in the context) and
-// its complement, v | ~v << 28. Every tag has exactly 28 bits set, so no
-// tag is 0 and the OR of two different tags is no tag. Two launches alike
-// in it are 2^28 launches apart, never running at once.
+// v = %gridid mod 2^OS_TAG_HALF_BITS (a new number for every launch in the
+// context) and its complement, v | ~v << OS_TAG_HALF_BITS. Every tag has
+// exactly OS_TAG_HALF_BITS bits set, so no tag is 0 and the OR of two
+// different tags is no tag. Two launches alike in it are 2^28 launches
+// apart, never running at once.
 __device__ __forceinline__ unsigned long long os_tag()
 {
     unsigned long long g;
     asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
-    const unsigned long long v = g & 0xFFFFFFFull;
-    return v | ((~v & 0xFFFFFFFull) << 28);
+    const unsigned long long mask = (1ull << OS_TAG_HALF_BITS) - 1ull;
+    const unsigned long long v = g & mask;
+    return v | ((~v & mask) << OS_TAG_HALF_BITS);
 }
 
 __device__ __forceinline__ unsigned int os_ld32(const unsigned int* addr)
@@ -182,7 +150,7 @@ __device__ __forceinline__ void os_fail(unsigned int* failed, volatile unsigned 
                                         unsigned int code)
 {
     if (atomicCAS(failed, 0u, code) == 0u) {
-        flags[1] = code;
+        flags[OS_FLAG_STATUS] = code;
         __threadfence_system();
     }
 }
@@ -394,7 +362,7 @@ __device__ __forceinline__ OsGot os_wait(unsigned long long src, uint4 v, OsCtrl
             if (os_ld32(failed) != 0u) {
                 return OsGot{v, false};
             }
-            if (waited > OS_HOST_POLL_AFTER_NS && flags[0] != 0u) {
+            if (waited > OS_HOST_POLL_AFTER_NS && flags[OS_FLAG_ABORT] != 0u) {
                 os_fail(failed, flags, OS_STATUS_ABORTED);
                 return OsGot{v, false};
             }
@@ -544,7 +512,7 @@ __device__ __forceinline__ void os_one_shot(OsCtrl* ctrl, typename E::Bits* data
     if (threadIdx.x == 0) {
         s_t0 = os_clock();
         f = os_ld32(failed);
-        w = atomicOr(&l->claim, tag << 8);
+        w = atomicOr(&l->claim, tag << OS_EPOCH_BITS);
     }
     volatile unsigned int* flags = reinterpret_cast<volatile unsigned int*>(ctrl->flags);
     // A count no slot can hold loads nothing (the launch is refused below).
@@ -558,7 +526,7 @@ __device__ __forceinline__ void os_one_shot(OsCtrl* ctrl, typename E::Bits* data
     c.tid = blockIdx.x * blockDim.x + threadIdx.x;
     c.stride = gridDim.x * blockDim.x;
     c.cnt = c.tid < units ? (units - c.tid + c.stride - 1u) / c.stride : 0u;
-    const bool bad = lane > 1u || c.world < 2u || c.world > OS_MAX_RANKS || c.rank >= c.world ||
+    const bool bad = lane >= OS_LANES || c.world < 2u || c.world > OS_MAX_RANKS || c.rank >= c.world ||
                      c.n == 0u || (unsigned long long)c.n * sizeof(typename E::Bits) > slot ||
                      slot > OS_MAX_SLOT || (slot & 15ull) != 0ull;
     uint4 first = make_uint4(0u, 0u, 0u, 0u);
@@ -571,13 +539,13 @@ __device__ __forceinline__ void os_one_shot(OsCtrl* ctrl, typename E::Bits* data
         if (bad) {
             os_fail(failed, flags, OS_STATUS_BAD_LAUNCH);
         } else if (f == 0u) {
-            go = ((w >> 8) == 0ull || (w >> 8) == tag) ? 1u : 0u;
+            go = ((w >> OS_EPOCH_BITS) == 0ull || (w >> OS_EPOCH_BITS) == tag) ? 1u : 0u;
             if (go == 0u) {
                 os_fail(failed, flags, OS_STATUS_CONCURRENT);
             }
         }
         s_go = go;
-        s_epoch = (unsigned int)(w & 0xFFull);
+        s_epoch = (unsigned int)(w & ((1ull << OS_EPOCH_BITS) - 1ull));
     }
     if (threadIdx.x < OS_MAX_RANKS) {
         s_peer[threadIdx.x] = ctrl->peer[threadIdx.x];
@@ -588,7 +556,7 @@ __device__ __forceinline__ void os_one_shot(OsCtrl* ctrl, typename E::Bits* data
     }
 
     const unsigned int half = s_epoch & 1u;
-    const unsigned int region = (lane * 2u + half) * c.world * c.slot;
+    const unsigned int region = (lane * OS_HALVES + half) * c.world * c.slot;
     c.mine = s_peer[c.rank] + region;
 
     // 1. Push this rank's contribution into slot `rank` of every peer, two
@@ -643,7 +611,8 @@ __device__ __forceinline__ void os_one_shot(OsCtrl* ctrl, typename E::Bits* data
             }
         }
         if (last) {
-            atomicExch(&l->claim, (unsigned long long)((s_epoch + 1u) & 0xFFu));
+            atomicExch(&l->claim,
+                       (unsigned long long)((s_epoch + 1u) & ((1u << OS_EPOCH_BITS) - 1u)));
         }
     }
 }

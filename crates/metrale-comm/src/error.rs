@@ -277,6 +277,15 @@ pub enum FailureKind {
     CallFailed(nccl_safe::Error),
     /// `attempt_reconnect` could not build a new communicator.
     Reconnect(Box<CommError>),
+    /// A one-shot all-reduce kernel recorded a status: it waited past its
+    /// own deadline for a peer (`Timeout`, the collective timeout plus a
+    /// grace, for work no watchdog sees such as graph replays), found its
+    /// lane held by another running call (`Concurrent`), or refused a
+    /// launch outside its contract (`BadLaunch`).
+    OneShot {
+        /// What the kernel recorded.
+        status: crate::kernels::OneShotStatus,
+    },
 }
 
 impl FailureKind {
@@ -285,8 +294,20 @@ impl FailureKind {
         match self {
             FailureKind::AsyncError(e) | FailureKind::CallFailed(e) => Some(e),
             FailureKind::Reconnect(e) => e.nccl_error(),
-            FailureKind::Timeout { .. } => None,
+            FailureKind::Timeout { .. } | FailureKind::OneShot { .. } => None,
         }
+    }
+
+    /// True for a deadline missed: the watchdog's, a waiter's, or a
+    /// one-shot kernel's own.
+    pub fn is_timeout(&self) -> bool {
+        matches!(
+            self,
+            FailureKind::Timeout { .. }
+                | FailureKind::OneShot {
+                    status: crate::kernels::OneShotStatus::Timeout
+                }
+        )
     }
 
     /// `AsyncError` when `e` is the communicator's asynchronous error (seen
@@ -312,6 +333,7 @@ impl fmt::Display for Failure {
             FailureKind::AsyncError(e) => write!(f, "hit an asynchronous NCCL error: {e}"),
             FailureKind::CallFailed(e) => write!(f, "failed: {e}"),
             FailureKind::Reconnect(e) => write!(f, "could not reconnect: {e}"),
+            FailureKind::OneShot { status } => write!(f, "failed in the one-shot kernel: {status}"),
         }?;
         if !self.elsewhere.is_empty() {
             write!(
@@ -331,7 +353,7 @@ impl std::error::Error for Failure {
         match &self.kind {
             FailureKind::AsyncError(e) | FailureKind::CallFailed(e) => Some(e),
             FailureKind::Reconnect(e) => Some(&**e),
-            FailureKind::Timeout { .. } => None,
+            FailureKind::Timeout { .. } | FailureKind::OneShot { .. } => None,
         }
     }
 }

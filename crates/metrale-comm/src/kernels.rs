@@ -12,6 +12,11 @@
 //!   `cargo xtask ptx` relabels it 7.0 and has `ptxas` confirm that every
 //!   instruction exists in ISA 7.0 for sm_80.
 //!
+//! The kernels' ABI (control block, statuses, constants, launch contracts)
+//! is defined once, in the `metrale-kernel-abi` crate ([`abi`]), which
+//! generates the `kernels/abi.h` the `.cu` files include; both PTX modules
+//! carry that ABI's hash ([`check_ptx_abi`]).
+//!
 //! Invariants: [`BF16_ADD_PTX`] defines the entry [`BF16_ADD_NAME`] with the
 //! parameters `(bf16* dst, const bf16* src, u64 n)`, and accepts at most
 //! [`BF16_ADD_BLOCK`] threads per block; [`launch_config`] never exceeds
@@ -22,6 +27,11 @@
 //! [`ONE_SHOT_MAX_GRID`] blocks, nor an empty grid, and 32 to
 //! [`ONE_SHOT_BLOCK`] threads a block; [`one_shot_sum`] is their
 //! arithmetic on the host.
+
+pub use metrale_kernel_abi as abi;
+/// What a one-shot kernel recorded: the status a `FailureKind::OneShot`
+/// carries.
+pub use metrale_kernel_abi::one_shot::Status as OneShotStatus;
 
 /// PTX of `bf16_add_inplace`, `dst[i] = bf16(float(dst[i]) + float(src[i]))`
 /// rounded to nearest even: the arithmetic NCCL uses for a two-rank bf16
@@ -34,11 +44,11 @@
 pub const BF16_ADD_PTX: &str = include_str!("../kernels/bf16_add.ptx");
 
 /// The entry point's name in [`BF16_ADD_PTX`] (`extern "C"`, unmangled).
-pub const BF16_ADD_NAME: &str = "bf16_add_inplace";
+pub const BF16_ADD_NAME: &str = abi::add::NAME;
 
 /// Threads per block for `bf16_add_inplace`; also the most it accepts
 /// (`__launch_bounds__`).
-pub const BF16_ADD_BLOCK: u32 = 256;
+pub const BF16_ADD_BLOCK: u32 = abi::add::BLOCK;
 
 /// The largest grid [`launch_config`] returns: 8 blocks for each of the 132
 /// SMs of an H100/H200, enough to keep any current GPU's memory busy; the
@@ -59,13 +69,13 @@ pub const BF16_ADD_MAX_GRID: u32 = 132 * 8;
 pub const ONE_SHOT_PTX: &str = include_str!("../kernels/one_shot.ptx");
 
 /// The bf16 entry point's name in [`ONE_SHOT_PTX`].
-pub const BF16_ONE_SHOT_NAME: &str = "bf16_one_shot_all_reduce";
+pub const BF16_ONE_SHOT_NAME: &str = abi::one_shot::ENTRIES[0].0;
 
 /// The f16 entry point's name in [`ONE_SHOT_PTX`].
-pub const F16_ONE_SHOT_NAME: &str = "f16_one_shot_all_reduce";
+pub const F16_ONE_SHOT_NAME: &str = abi::one_shot::ENTRIES[1].0;
 
 /// The f32 entry point's name in [`ONE_SHOT_PTX`].
-pub const F32_ONE_SHOT_NAME: &str = "f32_one_shot_all_reduce";
+pub const F32_ONE_SHOT_NAME: &str = abi::one_shot::ENTRIES[2].0;
 
 /// The entry points of [`ONE_SHOT_PTX`], by the type each all-reduces.
 pub const ONE_SHOT_ENTRIES: [(nccl_safe::DataType, &str); 3] = [
@@ -84,7 +94,7 @@ pub fn one_shot_name(dtype: nccl_safe::DataType) -> Option<&'static str> {
 }
 
 /// Threads per block for the one-shot kernels, also their most.
-pub const ONE_SHOT_BLOCK: u32 = 512;
+pub const ONE_SHOT_BLOCK: u32 = abi::one_shot::BLOCK;
 
 /// The most blocks a one-shot launch uses: a call spins while it waits for
 /// its peers, so it must never fill the GPU (two lanes' calls, NCCL's
@@ -95,24 +105,25 @@ pub const ONE_SHOT_MAX_GRID: u32 = 32;
 /// The largest slot a one-shot control block may name (`OS_MAX_SLOT`): the
 /// kernels' offsets in a receive buffer are 32-bit, and refuse a launch on
 /// a larger one with the bad-launch status.
-pub const ONE_SHOT_MAX_SLOT_BYTES: usize = 1 << 26;
+pub const ONE_SHOT_MAX_SLOT_BYTES: usize = abi::one_shot::MAX_SLOT_BYTES;
 
 /// The word every 32-bit word of a one-shot receive buffer holds outside a
 /// call (the bf16 or f16 pair (+0.0, -0.0), the f32 -0.0): "not arrived".
-pub const ONE_SHOT_SENTINEL: u32 = 0x8000_0000;
+pub const ONE_SHOT_SENTINEL: u32 = abi::one_shot::SENTINEL;
 
-/// The 64-bit words of a one-shot control block (136 bytes).
-pub const ONE_SHOT_CTRL_WORDS: usize = 17;
+/// The 64-bit words of a one-shot control block ([`abi::one_shot::Ctrl`]).
+pub const ONE_SHOT_CTRL_WORDS: usize = abi::one_shot::CTRL_WORDS;
 
 /// The 32-bit words of one rank's one-shot receive buffer: 2 lanes x 2
 /// halves x `world` slots of `slot_bytes` (a multiple of 16).
 pub fn one_shot_recv_words(world: usize, slot_bytes: usize) -> usize {
-    2 * 2 * world * slot_bytes / 4
+    abi::one_shot::recv_bytes(world, slot_bytes) / 4
 }
 
 /// The control block of rank `rank` of `peers.len()` (2 to 8), as the host
-/// writes it before the first call (the layout `one_shot.cu`'s
-/// `OsCtrl` declares; its two lanes start free at epoch 0): `peers[p]` is
+/// writes it before the first call ([`abi::one_shot::Ctrl`], the layout
+/// `one_shot.cu`'s `OsCtrl` is generated from; its two lanes start free at
+/// epoch 0): `peers[p]` is
 /// rank `p`'s receive buffer as mapped on this rank, `flags` the device
 /// address of two host-pinned `u32` words (abort, status), `timeout_ns` how
 /// long a thread may spin; no status recorded yet. `None` for a world
@@ -125,20 +136,25 @@ pub fn one_shot_ctrl(
     rank: usize,
     slot_bytes: usize,
 ) -> Option<[u64; ONE_SHOT_CTRL_WORDS]> {
-    if !(2..=8).contains(&peers.len())
-        || rank >= peers.len()
-        || !slot_bytes.is_multiple_of(16)
-        || slot_bytes > ONE_SHOT_MAX_SLOT_BYTES
-    {
-        return None;
+    abi::one_shot::Ctrl::new(peers, flags, timeout_ns, rank, slot_bytes).map(|c| c.to_words())
+}
+
+/// Whether `ptx` was compiled against this build's kernel ABI (the
+/// [`abi::PTX_ABI_SYMBOL`] global it carries); `Err` says what it found.
+pub fn check_ptx_abi(ptx: &str) -> Result<(), String> {
+    let want = abi::abi_hash();
+    match abi::ptx_abi(ptx) {
+        Some(got) if got == want => Ok(()),
+        Some(got) => Err(format!(
+            "the PTX was built against kernel ABI {got:#018x}, this build's is {want:#018x}: \
+             rebuild it with `cargo xtask ptx`"
+        )),
+        None => Err(format!(
+            "the PTX carries no `{}`: it was built before the kernel ABI was exported, \
+             or not from this project's kernels",
+            abi::PTX_ABI_SYMBOL
+        )),
     }
-    let mut ctrl = [0u64; ONE_SHOT_CTRL_WORDS];
-    ctrl[..peers.len()].copy_from_slice(peers);
-    ctrl[8] = flags;
-    ctrl[9] = timeout_ns;
-    ctrl[10] = rank as u64 | ((peers.len() as u64) << 32);
-    ctrl[11] = slot_bytes as u64;
-    Some(ctrl)
 }
 
 /// Grid and block for a one-shot call of `bytes` (of any type): one thread
@@ -354,7 +370,7 @@ pub unsafe fn launch_one_shot(
 }
 
 /// bf16 values per vectorised (16-byte) load.
-const VALUES_PER_LOAD: u64 = 8;
+const VALUES_PER_LOAD: u64 = abi::add::PER_LOAD as u64;
 
 /// Grid and block dimensions, `((gx, gy, gz), (bx, by, bz))`, for adding `n`
 /// values with `bf16_add_inplace`: one thread per 8 values, 256 threads per
@@ -390,6 +406,58 @@ mod tests {
             .count();
         assert_eq!(params, 3, "expected (dst, src, n)");
         assert!(lines.contains(&format!(".maxntid {BF16_ADD_BLOCK}, 1, 1").as_str()));
+    }
+
+    #[test]
+    fn the_committed_header_is_the_abi_crates() {
+        assert_eq!(
+            include_str!("../kernels/abi.h"),
+            abi::cuda_header(),
+            "kernels/abi.h is stale: run `cargo xtask ptx`"
+        );
+    }
+
+    #[test]
+    fn the_committed_ptx_was_built_against_this_abi() {
+        for (name, ptx) in [("bf16_add", BF16_ADD_PTX), ("one_shot", ONE_SHOT_PTX)] {
+            if let Err(e) = check_ptx_abi(ptx) {
+                panic!("{name}.ptx: {e}");
+            }
+        }
+        assert!(check_ptx_abi(".version 7.0\n").is_err());
+        let other = BF16_ADD_PTX.replace(
+            &abi::abi_hash().to_string(),
+            &(abi::abi_hash() ^ 1).to_string(),
+        );
+        assert!(check_ptx_abi(&other).is_err(), "another ABI's PTX");
+    }
+
+    #[test]
+    fn the_kernel_sources_take_their_abi_from_the_header() {
+        for (name, src) in [
+            ("bf16_add.cu", include_str!("../kernels/bf16_add.cu")),
+            ("one_shot.cu", include_str!("../kernels/one_shot.cu")),
+        ] {
+            assert!(
+                src.contains("#include \"abi.h\""),
+                "{name} does not include abi.h"
+            );
+            assert!(
+                src.contains("metrale_kernel_abi = METRALE_KERNEL_ABI;"),
+                "{name} does not export the ABI hash"
+            );
+            for line in src.lines() {
+                let l = line.trim_start();
+                assert!(
+                    !(l.starts_with("#define OS_") || l.starts_with("#define BF16_ADD_")),
+                    "{name} defines an ABI constant itself: {line}"
+                );
+                assert!(
+                    !(l.starts_with("struct OsCtrl") || l.starts_with("struct OsLane")),
+                    "{name} declares an ABI struct itself: {line}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -36,7 +36,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 
 use half::{bf16, f16};
-use metrale_comm::kernels::{self, OneShotElement};
+use metrale_comm::kernels::{self, OneShotElement, OneShotStatus};
 use nccl_safe::Module;
 
 use crate::RankCtx;
@@ -57,11 +57,11 @@ const OFFSETS: [usize; 3] = [0, 3, 0];
 const LARGE_SLOT_BYTES: usize = 1 << 20;
 /// 16-byte units in one pass of the host's largest grid.
 const GRID_UNITS: usize = (kernels::ONE_SHOT_MAX_GRID * kernels::ONE_SHOT_BLOCK) as usize;
-/// The kernel's statuses (`OS_STATUS_*` in `one_shot.cu`).
-const STATUS_TIMEOUT: u32 = 1;
-const STATUS_ABORTED: u32 = 2;
-const STATUS_CONCURRENT: u32 = 3;
-const STATUS_BAD_LAUNCH: u32 = 4;
+/// The kernel's statuses (the ABI's, `metrale_comm::kernels::OneShotStatus`).
+const STATUS_TIMEOUT: u32 = OneShotStatus::Timeout as u32;
+const STATUS_ABORTED: u32 = OneShotStatus::Aborted as u32;
+const STATUS_CONCURRENT: u32 = OneShotStatus::Concurrent as u32;
+const STATUS_BAD_LAUNCH: u32 = OneShotStatus::BadLaunch as u32;
 
 /// See the module docs.
 pub fn kernel_one_device(ctx: &RankCtx) -> anyhow::Result<()> {

@@ -81,7 +81,7 @@ pub(crate) fn expect_timeout(
         Ok(()) => bail!("{what}: completed"),
     };
     ensure!(
-        matches!(f.kind, FailureKind::Timeout { .. }),
+        f.kind.is_timeout(),
         "{what}: expected a timeout, got {f}"
     );
     ensure!(

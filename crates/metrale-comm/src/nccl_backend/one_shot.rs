@@ -78,10 +78,8 @@ use crate::kernels;
 
 mod setup;
 
-/// Lane of eager calls.
-const LANE_EAGER: u32 = 0;
-/// Lane of calls captured into graphs.
-const LANE_GRAPH: u32 = 1;
+use crate::kernels::OneShotStatus;
+use crate::kernels::abi::one_shot::{LANE_EAGER, LANE_GRAPH};
 /// The largest slot (bytes one rank sends one peer per launch).
 const MAX_SLOT_BYTES: usize = 1 << 20;
 /// The smallest slot: room for the set-up probe's calls, which span two
@@ -89,17 +87,13 @@ const MAX_SLOT_BYTES: usize = 1 << 20;
 const MIN_SLOT_BYTES: usize = 16 << 10;
 /// The sentinel filling every free slot word.
 const SENTINEL: u32 = kernels::ONE_SHOT_SENTINEL;
-/// Kernel statuses (the `.cu` file's `OS_STATUS_*`).
-const STATUS_TIMEOUT: u32 = 1;
-const STATUS_ABORTED: u32 = 2;
-const STATUS_CONCURRENT: u32 = 3;
 /// How much longer than the collective timeout a kernel spins: the
 /// watchdog's deadline on eager work comes first (and names the
 /// operation); the kernel's own bound ends work no watchdog sees (graph
 /// replays).
 const KERNEL_GRACE: Duration = Duration::from_millis(500);
-/// The most ranks the kernel serves (`OS_MAX_RANKS`).
-const MAX_RANKS: usize = 8;
+/// The most ranks the kernel serves.
+const MAX_RANKS: usize = kernels::abi::one_shot::MAX_RANKS;
 
 /// How a peer's buffer is reached; dropping it closes the mapping.
 enum PeerMem {
@@ -132,6 +126,8 @@ struct Kernels(Vec<(DataType, Function)>);
 
 impl Kernels {
     fn load(ctx: &Arc<Context>) -> nccl_safe::Result<Kernels> {
+        kernels::check_ptx_abi(kernels::ONE_SHOT_PTX)
+            .map_err(|e| nccl_safe::Error::invalid("one-shot kernels", e))?;
         let module = Module::load_ptx(ctx, kernels::ONE_SHOT_PTX)?;
         kernels::ONE_SHOT_ENTRIES
             .iter()
@@ -210,21 +206,19 @@ impl Inner {
     /// path is off, all is well, or the kernel only saw the abort that a
     /// failure, shutdown or reconnect set.
     pub(super) fn one_shot_failure(&self) -> Option<FailureKind> {
-        let status = self.one_shot_flags.lock().as_ref().map(|f| f.load(1))?;
-        match status {
-            0 | STATUS_ABORTED => None,
-            STATUS_TIMEOUT => Some(FailureKind::Timeout {
-                after: self.config.collective_timeout,
-            }),
-            STATUS_CONCURRENT => Some(FailureKind::CallFailed(nccl_safe::Error::invalid(
+        let code = self
+            .one_shot_flags
+            .lock()
+            .as_ref()
+            .map(|f| f.load(kernels::abi::one_shot::FLAG_STATUS))?;
+        match OneShotStatus::from_code(code) {
+            None if code == 0 => None,
+            None => Some(FailureKind::CallFailed(nccl_safe::Error::invalid(
                 "one-shot all-reduce",
-                "two one-shot all-reduces ran at once on one lane of this rank: graphs \
-                 holding one-shots must replay one at a time, in the same order on every rank",
+                format!("the kernel recorded an unknown status {code}"),
             ))),
-            other => Some(FailureKind::CallFailed(nccl_safe::Error::invalid(
-                "one-shot all-reduce",
-                format!("the kernel refused its launch (status {other})"),
-            ))),
+            Some(OneShotStatus::Aborted) => None,
+            Some(status) => Some(FailureKind::OneShot { status }),
         }
     }
 
@@ -232,7 +226,7 @@ impl Inner {
     /// waiting and exits (its output is not a sum).
     pub(super) fn one_shot_abort(&self) {
         if let Some(f) = self.one_shot_flags.lock().as_ref() {
-            f.store(0, 1);
+            f.store(kernels::abi::one_shot::FLAG_ABORT, 1);
         }
     }
 
@@ -290,7 +284,7 @@ impl Inner {
         let mut live = slot.one_shot.live.take();
         self.one_shot_flags.lock().take();
         if let Some(l) = &live {
-            l.flags.store(0, 1);
+            l.flags.store(kernels::abi::one_shot::FLAG_ABORT, 1);
         }
         let left = || deadline.saturating_duration_since(Instant::now());
         let drained = slot.one_shot.eager_stream.take().is_none()

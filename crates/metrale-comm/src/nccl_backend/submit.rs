@@ -365,12 +365,15 @@ impl Inner {
     /// Poisons the backend with its first failure (later calls return the
     /// first), aborts the communicator, dumps the flight recorder.
     pub(super) fn poison(&self, op: &'static str, seq: u64, kind: FailureKind) -> Arc<Failure> {
-        let (state, elsewhere) = match kind {
-            FailureKind::Timeout { .. } if !self.health.is_poisoned() => {
-                (OpState::TimedOut, self.census.in_flight_elsewhere())
-            }
-            FailureKind::Timeout { .. } => (OpState::TimedOut, Vec::new()),
-            _ => (OpState::Failed, Vec::new()),
+        let state = if kind.is_timeout() {
+            OpState::TimedOut
+        } else {
+            OpState::Failed
+        };
+        let elsewhere = if kind.is_timeout() && !self.health.is_poisoned() {
+            self.census.in_flight_elsewhere()
+        } else {
+            Vec::new()
         };
         let (failure, first) = self.health.poison(|| Failure {
             op,
