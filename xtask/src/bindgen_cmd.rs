@@ -58,6 +58,7 @@ const CUDA_FUNCTIONS: &[&str] = &[
     "cuEventCreate",
     "cuEventDestroy_v2",
     "cuEventRecord",
+    "cuEventRecordWithFlags",
     "cuEventQuery",
     "cuEventSynchronize",
     "cuEventElapsedTime_v2",
@@ -92,6 +93,7 @@ const CUDA_TYPES: &[&str] = &[
     "CUstream_flags_enum",
     "CUevent_flags_enum",
     "CUevent_wait_flags_enum",
+    "CUevent_record_flags_enum",
     "CUmemorytype_enum",
 ];
 

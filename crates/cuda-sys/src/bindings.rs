@@ -96,6 +96,13 @@ impl CUevent_flags_enum {
 #[repr(transparent)]
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUevent_flags_enum(pub ::std::os::raw::c_uint);
+impl CUevent_record_flags_enum {
+    pub const CU_EVENT_RECORD_DEFAULT: CUevent_record_flags_enum = CUevent_record_flags_enum(0);
+    pub const CU_EVENT_RECORD_EXTERNAL: CUevent_record_flags_enum = CUevent_record_flags_enum(1);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUevent_record_flags_enum(pub ::std::os::raw::c_uint);
 impl CUevent_wait_flags_enum {
     pub const CU_EVENT_WAIT_DEFAULT: CUevent_wait_flags_enum = CUevent_wait_flags_enum(0);
     pub const CU_EVENT_WAIT_EXTERNAL: CUevent_wait_flags_enum = CUevent_wait_flags_enum(1);
@@ -830,6 +837,14 @@ pub struct CudaLib {
         unsafe extern "C" fn(hEvent: CUevent, hStream: CUstream) -> CUresult,
         ::libloading::Error,
     >,
+    pub cuEventRecordWithFlags: Result<
+        unsafe extern "C" fn(
+            hEvent: CUevent,
+            hStream: CUstream,
+            flags: ::std::os::raw::c_uint,
+        ) -> CUresult,
+        ::libloading::Error,
+    >,
     pub cuEventQuery:
         Result<unsafe extern "C" fn(hEvent: CUevent) -> CUresult, ::libloading::Error>,
     pub cuEventSynchronize:
@@ -945,6 +960,7 @@ impl CudaLib {
         let cuStreamDestroy_v2 = __library.get(b"cuStreamDestroy_v2\0").map(|sym| *sym);
         let cuEventCreate = __library.get(b"cuEventCreate\0").map(|sym| *sym);
         let cuEventRecord = __library.get(b"cuEventRecord\0").map(|sym| *sym);
+        let cuEventRecordWithFlags = __library.get(b"cuEventRecordWithFlags\0").map(|sym| *sym);
         let cuEventQuery = __library.get(b"cuEventQuery\0").map(|sym| *sym);
         let cuEventSynchronize = __library.get(b"cuEventSynchronize\0").map(|sym| *sym);
         let cuEventDestroy_v2 = __library.get(b"cuEventDestroy_v2\0").map(|sym| *sym);
@@ -1005,6 +1021,7 @@ impl CudaLib {
             cuStreamDestroy_v2,
             cuEventCreate,
             cuEventRecord,
+            cuEventRecordWithFlags,
             cuEventQuery,
             cuEventSynchronize,
             cuEventDestroy_v2,
@@ -1407,6 +1424,17 @@ impl CudaLib {
             .cuEventRecord
             .as_ref()
             .expect("Expected function, got error."))(hEvent, hStream)
+    }
+    pub unsafe fn cuEventRecordWithFlags(
+        &self,
+        hEvent: CUevent,
+        hStream: CUstream,
+        flags: ::std::os::raw::c_uint,
+    ) -> CUresult {
+        (self
+            .cuEventRecordWithFlags
+            .as_ref()
+            .expect("Expected function, got error."))(hEvent, hStream, flags)
     }
     pub unsafe fn cuEventQuery(&self, hEvent: CUevent) -> CUresult {
         (self

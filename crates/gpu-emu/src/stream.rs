@@ -618,33 +618,59 @@ pub extern "C" fn cuEventDestroy_v2(h: CUevent) -> CUresult {
     })
 }
 
+/// `CU_EVENT_RECORD_EXTERNAL` / `CU_EVENT_WAIT_EXTERNAL`.
+const EXTERNAL: c_uint = 1;
+
+/// A record of `ev` as one execution: the generation is taken when the
+/// launcher runs (the call, or each launch of a graph that captured it),
+/// the event completes when the stream reaches it.
+fn record_launcher(ev: Arc<Event>, device: i32) -> Launcher {
+    Arc::new(move || {
+        let generation = {
+            let mut st = ev.st.lock();
+            st.recorded += 1;
+            st.device = Some(device);
+            st.recorded
+        };
+        let ev = ev.clone();
+        Box::new(move || ev.complete(generation))
+    })
+}
+
+/// `cuEventRecord` and `cuEventRecordWithFlags`: a marker on the stream.
+/// On a capturing stream an external record (`CU_EVENT_RECORD_EXTERNAL`)
+/// is captured as a node that records the event at each launch of the
+/// graph; any other record there is a no-op (cross-stream capture is not
+/// emulated).
+fn record(h: CUevent, s: CUstream, flags: c_uint) -> Result<(), CUresult> {
+    check_init()?;
+    if flags & !EXTERNAL != 0 {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let ev = event(h)?;
+    let t = resolve(s, None)?;
+    let capturing = t.stream.capturing();
+    if capturing && flags & EXTERNAL == 0 {
+        return Ok(());
+    }
+    if !capturing {
+        driver::sticky(t.stream.device)?;
+    }
+    submit(&t, record_launcher(ev, t.stream.device))
+}
+
 /// `cuEventRecord`: a marker on the stream; a no-op on a capturing stream.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuEventRecord(h: CUevent, s: CUstream) -> CUresult {
-    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
-        code((|| {
-            check_init()?;
-            let ev = event(h)?;
-            let t = resolve(s, None)?;
-            if t.stream.capturing() {
-                return Ok(());
-            }
-            driver::sticky(t.stream.device)?;
-            let generation = {
-                let mut st = ev.st.lock();
-                st.recorded += 1;
-                st.device = Some(t.stream.device);
-                st.recorded
-            };
-            submit(
-                &t,
-                Arc::new(move || {
-                    let ev = ev.clone();
-                    Box::new(move || ev.complete(generation))
-                }),
-            )
-        })())
-    })
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || code(record(h, s, 0)))
+}
+
+/// `cuEventRecordWithFlags`: as `cuEventRecord`; with
+/// `CU_EVENT_RECORD_EXTERNAL` on a capturing stream, a record node that
+/// records the event at each launch of the graph.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuEventRecordWithFlags(h: CUevent, s: CUstream, flags: c_uint) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || code(record(h, s, flags)))
 }
 
 /// `cuEventQuery`: the sticky error of the device it was recorded on, if
@@ -686,14 +712,39 @@ pub extern "C" fn cuEventSynchronize(h: CUevent) -> CUresult {
 }
 
 /// `cuStreamWaitEvent`: the stream waits for the event's latest record at
-/// the time of the call (none: no wait).
+/// the time of the call (none: no wait). On a capturing stream a wait with
+/// `CU_EVENT_WAIT_EXTERNAL` is captured as a node that, at each launch of
+/// the graph, waits for the event's latest record as of that launch (the
+/// way NCCL orders captured work after earlier launches); any other wait
+/// there on an event not yet complete is `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`
+/// (cross-stream capture is not emulated).
 #[unsafe(no_mangle)]
-pub extern "C" fn cuStreamWaitEvent(s: CUstream, h: CUevent, _flags: c_uint) -> CUresult {
+pub extern "C" fn cuStreamWaitEvent(s: CUstream, h: CUevent, flags: c_uint) -> CUresult {
     guard(CUresult::CUDA_ERROR_UNKNOWN, || {
         code((|| {
             check_init()?;
+            if flags & !EXTERNAL != 0 {
+                return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+            }
             let ev = event(h)?;
             let t = resolve(s, None)?;
+            if t.stream.capturing() && flags & EXTERNAL != 0 {
+                return submit(
+                    &t,
+                    Arc::new(move || {
+                        let g = {
+                            let st = ev.st.lock();
+                            (st.done < st.recorded).then_some(st.recorded)
+                        };
+                        let ev = ev.clone();
+                        Box::new(move || {
+                            if let Some(g) = g {
+                                ev.wait(g);
+                            }
+                        })
+                    }),
+                );
+            }
             driver::sticky(t.stream.device)?;
             let g = {
                 let st = ev.st.lock();

@@ -370,6 +370,39 @@ impl Event {
         unsafe { cu!(cuStreamWaitEvent(stream, self.raw, 0)) }
     }
 
+    /// Records the event on a raw stream as an external event: on a stream
+    /// being captured into a graph, an event-record node that records the
+    /// event at each launch of the graph, which work outside the graph (or
+    /// another graph's [`Event::wait_external_raw`]) can wait for; on a
+    /// stream not capturing, a plain record. (`cuEventRecordWithFlags`
+    /// with `CU_EVENT_RECORD_EXTERNAL`, CUDA 11.1.)
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this event's context.
+    pub unsafe fn record_external_raw(&self, stream: CUstream) -> Result<()> {
+        self.ctx.make_current()?;
+        let flags = cuda_sys::CUevent_record_flags_enum::CU_EVENT_RECORD_EXTERNAL.0;
+        // SAFETY: the event is live and `stream` is a live stream of the
+        // current context (this function's contract).
+        unsafe { cu!(cuEventRecordWithFlags(self.raw, stream, flags)) }
+    }
+
+    /// Makes later work on a raw stream wait for this event as an external
+    /// event: on a stream being captured, an event-wait node that, at each
+    /// launch of the graph, waits for the event's latest record as of that
+    /// launch; on a stream not capturing, a plain wait.
+    /// (`cuStreamWaitEvent` with `CU_EVENT_WAIT_EXTERNAL`.)
+    ///
+    /// # Safety
+    /// `stream` is a live stream.
+    pub unsafe fn wait_external_raw(&self, stream: CUstream) -> Result<()> {
+        self.ctx.make_current()?;
+        let flags = cuda_sys::CUevent_wait_flags_enum::CU_EVENT_WAIT_EXTERNAL.0;
+        // SAFETY: the event is live and `stream` is a live stream (this
+        // function's contract).
+        unsafe { cu!(cuStreamWaitEvent(stream, self.raw, flags)) }
+    }
+
     /// True when the work recorded before the event has completed (also
     /// true for a never-recorded event).
     pub fn query(&self) -> Result<bool> {
