@@ -232,7 +232,7 @@ pub fn all() -> Vec<Scenario> {
         ),
         s(
             "oneshot_concurrent_graphs",
-            "graphs of one-shots replayed at once on two streams: every rank poisoned, named, reconnects",
+            "graphs of one-shots replayed at once on three streams, a rank behind: every sum right, healthy",
             2,
             Some(2),
             &[2],

@@ -80,10 +80,7 @@ pub(crate) fn expect_timeout(
         Err(e) => bail!("{what}: expected a timeout failure, got {e}"),
         Ok(()) => bail!("{what}: completed"),
     };
-    ensure!(
-        f.kind.is_timeout(),
-        "{what}: expected a timeout, got {f}"
-    );
+    ensure!(f.kind.is_timeout(), "{what}: expected a timeout, got {f}");
     ensure!(
         took <= TIMEOUT + SLACK,
         "{what}: error after {took:?}, timeout {TIMEOUT:?}"

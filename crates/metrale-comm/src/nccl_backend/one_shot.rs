@@ -24,17 +24,21 @@
 //!    why.
 //!
 //! Invariants:
-//! - Ordering of the buffers, reused across operations: eager one-shots use
-//!   lane 0 and are ordered by `eager_done` across streams (recorded after
-//!   each, waited for by the next on another stream); one-shots captured
-//!   into a graph use lane 1, which eager work never touches, so a graph
-//!   replaying on another stream than eager work may overlap it freely.
-//!   Lane 1 is ordered by the graphs themselves: the engine replays graphs
-//!   holding one-shots one at a time per rank, in the same order on every
-//!   rank (as captured collectives must be ordered anyway). A call that
-//!   finds its lane held by another running call (the rule broken) records
-//!   the concurrent-use status, which poisons the backend, instead of
-//!   corrupting a sum.
+//! - Ordering of the buffers, reused across operations (decision 0017):
+//!   eager one-shots use lane 0 and are ordered by `eager_done` across
+//!   streams (recorded after each, waited for by the next on another
+//!   stream); one-shots captured into a graph use lane 1, which eager work
+//!   never touches, so a graph replaying beside eager work may overlap it
+//!   freely. Lane 1 is ordered by launch, as NCCL orders its own captured
+//!   kernels: every captured one-shot begins with an external wait on
+//!   `graph_serial` and ends with an external record of it, so at each
+//!   launch of a graph its one-shots wait for those of every graph
+//!   launched before it on this rank, on whatever stream. Graphs replayed
+//!   on several streams at once, or from several threads, are correct as
+//!   long as every rank launches them in the same order (what NCCL's own
+//!   captured collectives need). A call that still finds its lane held by
+//!   another running call records the concurrent-use status, which
+//!   poisons the backend, instead of corrupting a sum.
 //! - Nothing waits on the host and no kernel argument changes between
 //!   replays: the lanes' claim words (owner and epoch) live in device
 //!   memory, the abort and status words in pinned memory.
@@ -157,6 +161,9 @@ pub(super) struct OneShot {
     /// Recorded after every eager one-shot (see the module docs).
     eager_done: Event,
     eager_stream: Option<CUstream>,
+    /// The graph lane's order: every captured one-shot waits for it and
+    /// records it as an external event, so replays run in launch order.
+    graph_serial: Event,
 }
 
 impl OneShot {
@@ -169,6 +176,7 @@ impl OneShot {
             exchanged: None,
             eager_done: Event::new(ctx, false)?,
             eager_stream: None,
+            graph_serial: Event::new(ctx, false)?,
         })
     }
 
@@ -250,7 +258,13 @@ impl Inner {
         let size = dtype.size();
         let (ctrl, chunk) = (live.ctrl.device_ptr(), live.slot_bytes / size);
         let lane = if captured { LANE_GRAPH } else { LANE_EAGER };
-        if !captured && os.eager_stream.is_some_and(|s| s != stream) {
+        if captured {
+            // SAFETY: `stream` is the caller's live stream of this context
+            // (a `StreamRef`), capturing; the event is ours and outlives
+            // every graph that may replay this (the graph must not be
+            // replayed after the backend's release, as its control block).
+            unsafe { os.graph_serial.wait_external_raw(stream)? };
+        } else if os.eager_stream.is_some_and(|s| s != stream) {
             // SAFETY: `stream` is ours or the caller's live stream of this
             // context (a `StreamRef`); the event is ours.
             unsafe { os.eager_done.wait_raw(stream)? };
@@ -266,7 +280,10 @@ impl Inner {
             unsafe { kernels::launch_one_shot(&kernel, ctrl, at, (len, dtype), lane, stream)? };
             off += len;
         }
-        if !captured {
+        if captured {
+            // SAFETY: as above.
+            unsafe { os.graph_serial.record_external_raw(stream)? };
+        } else {
             // SAFETY: as above.
             unsafe { os.eager_done.record_raw(stream)? };
             os.eager_stream = Some(stream);

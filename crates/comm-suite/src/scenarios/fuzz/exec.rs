@@ -406,6 +406,29 @@ impl Run<'_> {
                 }
                 g.exec.launch(sm).context("GraphExec::launch")
             }
+            Op::ReplayAll { rounds } => {
+                let mut ids: Vec<u32> = st.graphs.keys().copied().collect();
+                ids.sort_unstable();
+                for round in 0..*rounds {
+                    for (id, _, v) in plan.refills.iter().filter(|r| r.1 == round) {
+                        let g = st
+                            .graphs
+                            .get_mut(id)
+                            .with_context(|| format!("graph #{id} was not captured here"))?;
+                        self.streams[g.stream]
+                            .wait_until_idle(COLLECTIVE_TIMEOUT)
+                            .context("a graph's stream before a refill")?;
+                        g.mem.refill(self.c, v)?;
+                    }
+                    for id in &ids {
+                        let g = &st.graphs[id];
+                        g.exec
+                            .launch(&self.streams[g.stream])
+                            .with_context(|| format!("GraphExec::launch of graph #{id}"))?;
+                    }
+                }
+                Ok(())
+            }
             Op::Synchronize { b } => call("synchronize", self.backends[*b].synchronize()),
             Op::Bad { b, bad } => self.bad(*b, *bad),
             Op::SyncAll => Ok(()),

@@ -108,6 +108,7 @@ enum Kind {
     Free,
     Capture,
     Replay,
+    ReplayAll,
     Synchronize,
     SyncAll,
     Bad,
@@ -115,7 +116,7 @@ enum Kind {
 
 /// How often each kind is drawn; point-to-point steps and commands need a
 /// peer.
-fn weights(world: usize) -> [(Kind, usize); 21] {
+fn weights(world: usize) -> [(Kind, usize); 22] {
     let p2p = usize::from(world > 1);
     [
         (Kind::AllReduce, 14),
@@ -136,6 +137,7 @@ fn weights(world: usize) -> [(Kind, usize); 21] {
         (Kind::Free, 2),
         (Kind::Capture, 3),
         (Kind::Replay, 5),
+        (Kind::ReplayAll, 3),
         (Kind::Synchronize, 5),
         (Kind::SyncAll, 5),
         (Kind::Bad, 3),
@@ -311,7 +313,10 @@ pub(super) fn generate(seed: u64, world: usize) -> Program {
                 graph: g.pick(&graphs).unwrap_or(0),
                 refill: g.chance(1, 2),
             },
-            Kind::Capture | Kind::Replay => {
+            Kind::ReplayAll if graphs.len() > 1 => Op::ReplayAll {
+                rounds: 1 + g.below(3),
+            },
+            Kind::Capture | Kind::Replay | Kind::ReplayAll => {
                 graphs.push(uid);
                 Op::Capture {
                     b,

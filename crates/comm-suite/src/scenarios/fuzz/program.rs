@@ -378,6 +378,13 @@ pub(super) enum Op {
         graph: u32,
         refill: bool,
     },
+    /// `rounds` times, launches every graph captured so far, each on its
+    /// own stream, back to back (several graphs in flight at once, as an
+    /// engine replays prefill and decode graphs or two micro-batches);
+    /// a graph whose sum would no longer be exact gets fresh data first.
+    ReplayAll {
+        rounds: usize,
+    },
     Synchronize {
         b: usize,
     },
@@ -490,6 +497,10 @@ impl fmt::Display for Op {
                 } else {
                     " on its last result"
                 }
+            ),
+            Op::ReplayAll { rounds } => write!(
+                f,
+                "launch every graph, each on its own stream, {rounds} time(s) back to back"
             ),
             Op::Synchronize { b } => write!(f, "b{b} synchronize"),
             Op::SyncAll => write!(f, "synchronize everything, check every buffer"),

@@ -9,9 +9,8 @@
 //! - A normalized program never races with itself: a slot is reduced again
 //!   only on the stream that last used it or after a point where everything
 //!   was synchronized, and is deregistered or freed only after such a
-//!   point; operands exist and indices are in range; graphs captured on a
-//!   backend with the one-shot path replay on one stream at a time (on
-//!   another only after such a point), as that path's graph lane requires.
+//!   point; operands exist and indices are in range. Graphs replay on the
+//!   streams they were captured on, several at once.
 //! - Inputs are small integers (`data::small_ints`, shifted to be positive
 //!   for u32); a slot or graph buffer is reduced again in place only while
 //!   every sum stays exactly representable in bf16 in any order of
@@ -41,6 +40,8 @@ pub(super) struct StepPlan {
     pub bufs: Vec<BufPlan>,
     /// A replay's fresh data.
     pub refill: Option<Vec<i32>>,
+    /// A `ReplayAll`'s fresh data: (graph, round, this rank's values).
+    pub refills: Vec<(u32, usize, Vec<i32>)>,
     /// At a sync point: what each slot and graph buffer holds.
     pub slots: Vec<(u32, Vec<i32>)>,
     pub graphs: Vec<(u32, Vec<i32>)>,
@@ -69,8 +70,6 @@ struct SlotModel {
 
 struct GraphModel {
     vals: Vec<Vec<i32>>,
-    b: usize,
-    stream: usize,
 }
 
 /// `rank`'s `n` values of step `uid`, role `role`, as type `ty` holds them
@@ -233,9 +232,6 @@ pub(super) fn prepare(prog: &Program, rank: usize) -> (Program, Plan) {
     let mut plans = Vec::with_capacity(prog.steps.len());
     let mut slots: HashMap<u32, SlotModel> = HashMap::new();
     let mut graphs: HashMap<u32, GraphModel> = HashMap::new();
-    // Per one-shot backend, the stream its graphs last replayed on since
-    // the last point where everything was synchronized.
-    let mut one_shot_lane: HashMap<usize, usize> = HashMap::new();
     let nb = prog.backends.len();
     let ns = prog.streams;
     for step in &prog.steps {
@@ -442,31 +438,14 @@ pub(super) fn prepare(prog: &Program, rank: usize) -> (Program, Plan) {
                     want: None,
                     role: "graph buffer",
                 });
-                graphs.insert(
-                    uid,
-                    GraphModel {
-                        vals,
-                        b: *b,
-                        stream: *stream,
-                    },
-                );
+                graphs.insert(uid, GraphModel { vals });
                 true
             }
             Op::Replay { graph, refill } => match graphs.get_mut(graph) {
-                // A one-shot backend's graphs share its graph lane: they
-                // replay one at a time (the contract in
-                // `nccl_backend/one_shot.rs`), so on one stream, or on
-                // another only after everything was synchronized.
-                Some(g)
-                    if prog.backends[g.b].policy.one_shot()
-                        && one_shot_lane.get(&g.b).is_some_and(|&s| s != g.stream) =>
-                {
-                    false
-                }
+                // Graphs replay on their capture streams, so graphs
+                // captured on several streams run at once, one-shots
+                // inside included (the backend orders those by launch).
                 Some(g) => {
-                    if prog.backends[g.b].policy.one_shot() {
-                        one_shot_lane.insert(g.b, g.stream);
-                    }
                     if !*refill && !exact_sum(&g.vals) {
                         *refill = true;
                     }
@@ -479,11 +458,26 @@ pub(super) fn prepare(prog: &Program, rank: usize) -> (Program, Plan) {
                 }
                 None => false,
             },
+            Op::ReplayAll { rounds } => {
+                let mut ids: Vec<u32> = graphs.keys().copied().collect();
+                ids.sort_unstable();
+                for round in 0..*rounds {
+                    for id in &ids {
+                        let g = graphs.get_mut(id).expect("a listed graph");
+                        if !exact_sum(&g.vals) {
+                            let salt = uid << 4 | round as u32;
+                            g.vals = inputs(prog, salt, u64::from(*id), g.vals[0].len(), Ty::Bf16);
+                            plan.refills.push((*id, round, g.vals[rank].clone()));
+                        }
+                        g.vals = vec![sum(&g.vals); w];
+                    }
+                }
+                !ids.is_empty()
+            }
             Op::SyncAll => {
                 for m in slots.values_mut() {
                     m.last = None;
                 }
-                one_shot_lane.clear();
                 snapshot(&slots, &graphs, rank, &mut plan);
                 true
             }

@@ -227,6 +227,7 @@ fn each_ref(op: &mut Op, b: &mut impl FnMut(&mut usize), s: &mut impl FnMut(&mut
         | Op::Deregister { .. }
         | Op::Free { .. }
         | Op::Replay { .. }
+        | Op::ReplayAll { .. }
         | Op::SyncAll => {}
     }
 }
