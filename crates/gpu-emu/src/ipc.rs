@@ -80,6 +80,8 @@ pub(crate) fn violation(start: u64, opens: u32) {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Handle {
     pid: u32,
+    /// The exporter's emulated host (`host::id`).
+    host: u64,
     export: Export,
 }
 
@@ -91,6 +93,7 @@ fn encode(h: &Handle) -> CUipcMemHandle {
     b[24..32].copy_from_slice(&h.export.serial.to_le_bytes());
     b[32..40].copy_from_slice(&(h.export.len as u64).to_le_bytes());
     b[40..48].copy_from_slice(&(h.export.mapped as u64).to_le_bytes());
+    b[48..56].copy_from_slice(&h.host.to_le_bytes());
     CUipcMemHandle {
         reserved: b.map(|x| x as std::ffi::c_char),
     }
@@ -105,6 +108,7 @@ fn decode(h: &CUipcMemHandle) -> Option<Handle> {
     let u64_at = |i: usize| b[i..i + 8].try_into().ok().map(u64::from_le_bytes);
     Some(Handle {
         pid: u32_at(8)?,
+        host: u64_at(48)?,
         export: Export {
             fd: i32::from_le_bytes(b[12..16].try_into().ok()?),
             serial: u64_at(24)?,
@@ -134,6 +138,7 @@ pub unsafe extern "C" fn cuIpcGetMemHandle(
             let export = memory::share(dptr)?;
             let h = encode(&Handle {
                 pid: std::process::id(),
+                host: crate::host::id(),
                 export,
             });
             // SAFETY: `handle` is non-null and valid (this function's contract).
@@ -146,7 +151,8 @@ pub unsafe extern "C" fn cuIpcGetMemHandle(
 /// `cuIpcOpenMemHandle_v2`, counted as open by the current device:
 /// another process's export is mapped here (`memory::import`), once per
 /// device and handle (a second open returns the same address), as the
-/// driver does; a handle of this process is `CUDA_ERROR_INVALID_CONTEXT`.
+/// driver does; a handle of this process is `CUDA_ERROR_INVALID_CONTEXT`,
+/// one exported on another emulated host (`host`) `CUDA_ERROR_INVALID_VALUE`.
 ///
 /// # Safety
 /// `pdptr` is null or valid for a write.
@@ -164,6 +170,11 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
                 return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
             }
             let h = decode(&handle).ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
+            if h.host != crate::host::id() {
+                // A handle exported on another host names memory this
+                // machine cannot reach.
+                return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+            }
             if h.pid == std::process::id() {
                 // As the driver answers (measured on an H200): the exporter
                 // reaches its own memory by its address.
@@ -262,6 +273,7 @@ mod tests {
     fn handles_round_trip() {
         let h = Handle {
             pid: 7,
+            host: 0xABCD,
             export: Export {
                 fd: 9,
                 serial: 3,

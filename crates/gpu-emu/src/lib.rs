@@ -144,6 +144,7 @@ mod abi;
 mod driver;
 mod errors;
 mod fault;
+mod host;
 mod ipc;
 mod kernels;
 mod memory;

@@ -10,9 +10,9 @@
 //!   all-reduce. Every input of the choice is the same on every rank
 //!   (configuration, world size, the set-up's agreed verdict), so every
 //!   rank takes one path.
-//! - The fast path runs only for bf16 on 2 ranks with an add kernel, for a
-//!   size inside the policy, outside a group, registered or symmetric
-//!   memory, and graph capture.
+//! - The fast path runs only for bf16 on 2 ranks of one host (`hosts`)
+//!   with an add kernel, for a size inside the policy, outside a group,
+//!   registered or symmetric memory, and graph capture.
 //! - The scratch buffer is allocated once, at its final size (at
 //!   construction or `set_add_kernel`), never under capture, and freed only
 //!   after the teardown drained the work that uses it.
@@ -65,6 +65,7 @@ impl Inner {
         }
         if self.world_size == 2
             && dtype == DataType::Bfloat16
+            && self.one_host(slot)
             && !captured
             && !self.in_group(slot)
             && slot.kernel.is_some()

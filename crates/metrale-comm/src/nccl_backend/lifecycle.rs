@@ -63,6 +63,7 @@ impl Inner {
                 .map_err(|e| CommError::setup_of("blocking communicator", who, e))?;
         }
         self.install(slot, comm, generation);
+        self.host_census(slot)?;
         self.one_shot_setup(slot)
     }
 
@@ -177,6 +178,7 @@ impl NcclBackend {
                 .ensure_scratch(&mut slot)
                 .map_err(|e| CommError::setup("fast-path scratch buffer", e))?;
             child_inner.install(&mut slot, child, 0);
+            child_inner.host_census(&mut slot)?;
             child_inner.one_shot_setup(&mut slot)?;
         }
         NcclBackend::start(child_inner).map(Some)

@@ -45,6 +45,7 @@
 
 mod census;
 mod fast_path;
+mod hosts;
 mod lifecycle;
 mod one_shot;
 mod ops;
@@ -71,6 +72,7 @@ use crate::kernels;
 use crate::rendezvous::{FixedIdRendezvous, Launch, Rendezvous, TcpRendezvous};
 
 pub use fast_path::AllReducePath;
+pub use hosts::HOST_ID_ENV;
 use submit::{GroupState, WatchQueues};
 
 /// The communicator and what is used with it; guarded by `Inner::slot`.
@@ -99,6 +101,8 @@ struct Slot {
     group: Option<GroupState>,
     /// The one-shot all-reduce's buffers, kernel and ordering event.
     one_shot: one_shot::OneShot,
+    /// Every rank's host, learned at connect where a path needs it.
+    hosts: Option<hosts::Hosts>,
 }
 
 // SAFETY: the raw streams in `scratch_stream` and the one-shot state are
@@ -422,6 +426,7 @@ impl Slot {
             symmetric: HashMap::new(),
             group: None,
             one_shot: one_shot::OneShot::new(ctx).map_err(setup("one-shot state"))?,
+            hosts: None,
         })
     }
 

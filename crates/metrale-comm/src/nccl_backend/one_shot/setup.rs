@@ -14,7 +14,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use half::{bf16, f16};
-use nccl_safe::{Context, DataType, DeviceBuffer, HostWords, IpcHandle, IpcMapping, ReduceOp};
+use nccl_safe::{Context, DataType, DeviceBuffer, HostWords, IpcHandle, IpcMapping};
 
 use super::{LANE_EAGER, LANE_GRAPH, Live, MAX_RANKS, PeerMem, SENTINEL, slot_bytes_for};
 use crate::backend::Result;
@@ -34,22 +34,6 @@ const PROBE_ROUNDS: [(u32, DataType); 4] = [
     (LANE_GRAPH, DataType::Float32),
     (LANE_GRAPH, DataType::Bfloat16),
 ];
-
-/// An identity of this machine (boot id and host name), to tell ranks of
-/// one node from others.
-fn host_id() -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for f in [
-        "/proc/sys/kernel/random/boot_id",
-        "/proc/sys/kernel/hostname",
-    ] {
-        for b in std::fs::read(f).unwrap_or_default() {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    h
-}
 
 /// One rank's record: what it exports, or its verdict.
 #[derive(Clone)]
@@ -198,7 +182,13 @@ impl Inner {
                 self.world_size
             ))
         } else {
-            None
+            slot.hosts.as_ref().filter(|h| !h.one_host()).map(|h| {
+                format!(
+                    "the ranks span {} (peer memory exists only within a host: split a \
+                     group per host to use the path)",
+                    h.describe()
+                )
+            })
         };
         if let Some(off) = off {
             slot.one_shot.off = off;
@@ -297,7 +287,7 @@ impl Inner {
         let record = Record {
             ok: true,
             pid: std::process::id(),
-            host: host_id(),
+            host: super::super::hosts::host_id(),
             device: dev as u32,
             recv: recv.device_ptr(),
             slot_bytes: slot_bytes as u64,
@@ -491,40 +481,11 @@ impl Inner {
         let w = self.world_size;
         let mut host = vec![0u8; w * RECORD_BYTES];
         host[self.rank * RECORD_BYTES..][..RECORD_BYTES].copy_from_slice(&mine.encode());
-        let out = self
-            .one_shot_all_reduce_bytes(slot, &host, deadline)
-            .map_err(|e| {
-                self.abort_now("one-shot set-up");
-                CommError::setup("one-shot set-up exchange", e)
-            })?;
+        let out = self.exchange_bytes(slot, &host, deadline).map_err(|e| {
+            self.abort_now("one-shot set-up");
+            CommError::setup("one-shot set-up exchange", e)
+        })?;
         Ok(out.chunks(RECORD_BYTES).map(Record::decode).collect())
-    }
-
-    fn one_shot_all_reduce_bytes(
-        &self,
-        slot: &mut Slot,
-        host: &[u8],
-        deadline: Instant,
-    ) -> nccl_safe::Result<Vec<u8>> {
-        let buf = DeviceBuffer::<u8>::from_host(&self.ctx, host)?;
-        let comm = slot.comm("one-shot set-up")?;
-        let stream = slot.stream.raw();
-        // SAFETY: the buffer holds `host.len()` bytes of this context; our
-        // own stream.
-        unsafe {
-            comm.all_reduce_raw(
-                buf.device_ptr(),
-                buf.device_ptr(),
-                host.len(),
-                DataType::Uint8,
-                ReduceOp::Sum,
-                stream,
-            )?
-        };
-        slot.stream
-            .wait_until_idle(deadline.saturating_duration_since(Instant::now()))?;
-        comm.async_error()?;
-        buf.to_host_vec()
     }
 }
 
