@@ -210,6 +210,23 @@ pub fn free_deadlock(ctx: &RankCtx) -> anyhow::Result<()> {
     // What each rank's other thread frees while the all-reduces wait.
     let doomed_a = DeviceBuffer::<f32>::alloc(&c, 64)?;
     let doomed_b = DeviceBuffer::<f32>::alloc(&c, 64)?;
+    // One checked all-reduce on each world first: a non-blocking
+    // communicator's first operation waits inside the call for its peers
+    // (NCCL connects lazily), which would hold world A's rank 1 before the
+    // deadlock is set up.
+    for (be, name) in [(&a, "A"), (&b, "B")] {
+        let warm: Vec<Vec<f32>> = (0..w).map(|k| random_vec(seed, k, 3, N)).collect();
+        let mut buf = DeviceBuffer::from_host(&c, &warm[r])?;
+        be.all_reduce(buf.view_mut())?;
+        be.synchronize()?;
+        check(
+            &format!("world {name}'s first all-reduce"),
+            &buf.to_host_vec()?,
+            &sum_in_rank_order(&warm),
+            exact(ctx),
+            w,
+        )?;
+    }
     ctx.barrier("deadlock set up")?;
     let started = Instant::now();
     let in_one_process = ctx.mode == Mode::Threads;
