@@ -49,6 +49,7 @@ const CUDA_FUNCTIONS: &[&str] = &[
     "cuStreamSynchronize",
     "cuStreamWaitEvent",
     "cuStreamIsCapturing",
+    "cuStreamGetCaptureInfo_v3",
     "cuStreamBeginCapture_v2",
     "cuStreamEndCapture",
     "cuGraphInstantiateWithFlags",

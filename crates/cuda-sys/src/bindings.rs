@@ -34,6 +34,7 @@ pub const CU_LAUNCH_PARAM_END_AS_INT: u32 = 0;
 pub const CU_LAUNCH_PARAM_BUFFER_POINTER_AS_INT: u32 = 1;
 pub const CU_LAUNCH_PARAM_BUFFER_SIZE_AS_INT: u32 = 2;
 pub const CU_PARAM_TR_DEFAULT: i32 = -1;
+pub type cuuint64_t = u64;
 pub type CUdeviceptr_v2 = ::std::os::raw::c_ulonglong;
 pub type CUdeviceptr = CUdeviceptr_v2;
 pub type CUdevice_v1 = ::std::os::raw::c_int;
@@ -74,6 +75,12 @@ pub struct CUgraph_st {
     _unused: [u8; 0],
 }
 pub type CUgraph = *mut CUgraph_st;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct CUgraphNode_st {
+    _unused: [u8; 0],
+}
+pub type CUgraphNode = *mut CUgraphNode_st;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct CUgraphExec_st {
@@ -471,6 +478,28 @@ impl CUmemorytype_enum {
 #[repr(transparent)]
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUmemorytype_enum(pub ::std::os::raw::c_uint);
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
+pub struct CUgraphEdgeData_st {
+    pub from_port: ::std::os::raw::c_uchar,
+    pub to_port: ::std::os::raw::c_uchar,
+    pub type_: ::std::os::raw::c_uchar,
+    pub reserved: [::std::os::raw::c_uchar; 5usize],
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of CUgraphEdgeData_st"][::std::mem::size_of::<CUgraphEdgeData_st>() - 8usize];
+    ["Alignment of CUgraphEdgeData_st"][::std::mem::align_of::<CUgraphEdgeData_st>() - 1usize];
+    ["Offset of field: CUgraphEdgeData_st::from_port"]
+        [::std::mem::offset_of!(CUgraphEdgeData_st, from_port) - 0usize];
+    ["Offset of field: CUgraphEdgeData_st::to_port"]
+        [::std::mem::offset_of!(CUgraphEdgeData_st, to_port) - 1usize];
+    ["Offset of field: CUgraphEdgeData_st::type_"]
+        [::std::mem::offset_of!(CUgraphEdgeData_st, type_) - 2usize];
+    ["Offset of field: CUgraphEdgeData_st::reserved"]
+        [::std::mem::offset_of!(CUgraphEdgeData_st, reserved) - 3usize];
+};
+pub type CUgraphEdgeData = CUgraphEdgeData_st;
 impl CUstreamCaptureStatus_enum {
     pub const CU_STREAM_CAPTURE_STATUS_NONE: CUstreamCaptureStatus_enum =
         CUstreamCaptureStatus_enum(0);
@@ -823,6 +852,18 @@ pub struct CudaLib {
         ) -> CUresult,
         ::libloading::Error,
     >,
+    pub cuStreamGetCaptureInfo_v3: Result<
+        unsafe extern "C" fn(
+            hStream: CUstream,
+            captureStatus_out: *mut CUstreamCaptureStatus,
+            id_out: *mut cuuint64_t,
+            graph_out: *mut CUgraph,
+            dependencies_out: *mut *const CUgraphNode,
+            edgeData_out: *mut *const CUgraphEdgeData,
+            numDependencies_out: *mut usize,
+        ) -> CUresult,
+        ::libloading::Error,
+    >,
     pub cuStreamQuery:
         Result<unsafe extern "C" fn(hStream: CUstream) -> CUresult, ::libloading::Error>,
     pub cuStreamSynchronize:
@@ -955,6 +996,9 @@ impl CudaLib {
         let cuStreamBeginCapture_v2 = __library.get(b"cuStreamBeginCapture_v2\0").map(|sym| *sym);
         let cuStreamEndCapture = __library.get(b"cuStreamEndCapture\0").map(|sym| *sym);
         let cuStreamIsCapturing = __library.get(b"cuStreamIsCapturing\0").map(|sym| *sym);
+        let cuStreamGetCaptureInfo_v3 = __library
+            .get(b"cuStreamGetCaptureInfo_v3\0")
+            .map(|sym| *sym);
         let cuStreamQuery = __library.get(b"cuStreamQuery\0").map(|sym| *sym);
         let cuStreamSynchronize = __library.get(b"cuStreamSynchronize\0").map(|sym| *sym);
         let cuStreamDestroy_v2 = __library.get(b"cuStreamDestroy_v2\0").map(|sym| *sym);
@@ -1016,6 +1060,7 @@ impl CudaLib {
             cuStreamBeginCapture_v2,
             cuStreamEndCapture,
             cuStreamIsCapturing,
+            cuStreamGetCaptureInfo_v3,
             cuStreamQuery,
             cuStreamSynchronize,
             cuStreamDestroy_v2,
@@ -1390,6 +1435,29 @@ impl CudaLib {
             .cuStreamIsCapturing
             .as_ref()
             .expect("Expected function, got error."))(hStream, captureStatus)
+    }
+    pub unsafe fn cuStreamGetCaptureInfo_v3(
+        &self,
+        hStream: CUstream,
+        captureStatus_out: *mut CUstreamCaptureStatus,
+        id_out: *mut cuuint64_t,
+        graph_out: *mut CUgraph,
+        dependencies_out: *mut *const CUgraphNode,
+        edgeData_out: *mut *const CUgraphEdgeData,
+        numDependencies_out: *mut usize,
+    ) -> CUresult {
+        (self
+            .cuStreamGetCaptureInfo_v3
+            .as_ref()
+            .expect("Expected function, got error."))(
+            hStream,
+            captureStatus_out,
+            id_out,
+            graph_out,
+            dependencies_out,
+            edgeData_out,
+            numDependencies_out,
+        )
     }
     pub unsafe fn cuStreamQuery(&self, hStream: CUstream) -> CUresult {
         (self

@@ -42,6 +42,8 @@ struct StreamState {
     enqueued: u64,
     completed: u64,
     capture: Option<Vec<Launcher>>,
+    /// The id of the capture in progress (a new one per capture).
+    capture_id: u64,
     closing: bool,
 }
 
@@ -66,6 +68,7 @@ impl Stream {
                 enqueued: 0,
                 completed: 0,
                 capture: None,
+                capture_id: 0,
                 closing: false,
             }),
             cv: Condvar::new(),
@@ -375,6 +378,59 @@ pub extern "C" fn cuStreamBeginCapture_v2(h: CUstream, mode: CUstreamCaptureMode
                 return Err(CUresult::CUDA_ERROR_ILLEGAL_STATE);
             }
             st.capture = Some(Vec::new());
+            st.capture_id = CAPTURE_IDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Ok(())
+        })())
+    })
+}
+
+/// Capture ids, one per capture in the process (from 1).
+static CAPTURE_IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// `cuStreamGetCaptureInfo_v3`: whether the stream is capturing and the
+/// capture's id (every capture has its own); the graph, dependencies and
+/// edges are not emulated (null, and 0 dependencies).
+///
+/// # Safety
+/// Every out-parameter is null or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamGetCaptureInfo_v3(
+    h: CUstream,
+    status: *mut CUstreamCaptureStatus,
+    id: *mut u64,
+    graph: *mut CUgraph,
+    deps: *mut *const cuda_sys::CUgraphNode,
+    edges: *mut *const cuda_sys::CUgraphEdgeData,
+    n_deps: *mut usize,
+) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        code((|| {
+            check_init()?;
+            if status.is_null() {
+                return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+            }
+            let t = resolve(h, None)?;
+            let (capturing, cid) = {
+                let st = t.stream.st.lock();
+                (st.capture.is_some(), st.capture_id)
+            };
+            let s = if capturing {
+                CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE
+            } else {
+                CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+            };
+            // SAFETY: every pointer is null or valid (this function's
+            // contract); `put` writes only through non-null ones.
+            unsafe {
+                put(status, s);
+                if capturing {
+                    put(id, cid);
+                }
+                put(graph, std::ptr::null_mut());
+                put(deps, std::ptr::null());
+                put(edges, std::ptr::null());
+                put(n_deps, 0);
+            }
             Ok(())
         })())
     })

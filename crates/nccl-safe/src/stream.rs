@@ -162,6 +162,34 @@ impl Stream {
         Ok(status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
+    /// The id of the capture sequence `raw` is part of, `None` when it is
+    /// not capturing (`cuStreamGetCaptureInfo_v3`, CUDA 12.3): streams
+    /// forked into one capture share its id, and every capture has a new
+    /// one.
+    ///
+    /// # Safety
+    /// `raw` is a live stream of `ctx`.
+    pub unsafe fn capture_id_raw(ctx: &Context, raw: CUstream) -> Result<Option<u64>> {
+        ctx.make_current()?;
+        let mut status = CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let mut id: u64 = 0;
+        // SAFETY: writes a status and an id through valid pointers and asks
+        // for nothing else (null out-parameters are allowed); the stream is
+        // live (this function's contract).
+        unsafe {
+            cu!(cuStreamGetCaptureInfo_v3(
+                raw,
+                &mut status,
+                &mut id,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut()
+            ))
+        }?;
+        Ok((status == CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE).then_some(id))
+    }
+
     /// Starts capturing this stream's work into a graph
     /// (`CU_STREAM_CAPTURE_MODE_THREAD_LOCAL`).
     pub fn begin_capture(&self) -> Result<()> {

@@ -30,10 +30,14 @@
 //!   stream); one-shots captured into a graph use lane 1, which eager work
 //!   never touches, so a graph replaying beside eager work may overlap it
 //!   freely. Lane 1 is ordered by launch, as NCCL orders its own captured
-//!   kernels: every captured one-shot begins with an external wait on
-//!   `graph_serial` and ends with an external record of it, so at each
-//!   launch of a graph its one-shots wait for those of every graph
-//!   launched before it on this rank, on whatever stream. Graphs replayed
+//!   kernels: a graph's first captured one-shot begins with an external
+//!   wait on `graph_serial` and every captured one-shot ends with an
+//!   external record of it, so at each launch of a graph its one-shots
+//!   wait for those of every graph launched before it on this rank, on
+//!   whatever stream; a graph's later one-shots are ordered after its
+//!   earlier ones by the graph (stream order, or `graph_fork` across its
+//!   streams), never by an external wait, which would wait for the same
+//!   graph's own records. Graphs replayed
 //!   on several streams at once, or from several threads, are correct as
 //!   long as every rank launches them in the same order (what NCCL's own
 //!   captured collectives need). A call that still finds its lane held by
@@ -161,9 +165,17 @@ pub(super) struct OneShot {
     /// Recorded after every eager one-shot (see the module docs).
     eager_done: Event,
     eager_stream: Option<CUstream>,
-    /// The graph lane's order: every captured one-shot waits for it and
-    /// records it as an external event, so replays run in launch order.
+    /// The graph lane's order across graphs: a graph's first captured
+    /// one-shot waits for it, and every captured one-shot records it, as
+    /// external events, so replays run in launch order (NCCL's strong
+    /// stream does the same for its captured kernels).
     graph_serial: Event,
+    /// Orders a graph's later one-shots after its earlier ones when they
+    /// sit on other streams of the same capture (a capture-internal
+    /// record and wait: a graph edge, no node at replay).
+    graph_fork: Event,
+    /// The capture (id) and stream of the last captured one-shot.
+    last_capture: Option<(u64, CUstream)>,
 }
 
 impl OneShot {
@@ -177,6 +189,8 @@ impl OneShot {
             eager_done: Event::new(ctx, false)?,
             eager_stream: None,
             graph_serial: Event::new(ctx, false)?,
+            graph_fork: Event::new(ctx, false)?,
+            last_capture: None,
         })
     }
 
@@ -260,10 +274,28 @@ impl Inner {
         let lane = if captured { LANE_GRAPH } else { LANE_EAGER };
         if captured {
             // SAFETY: `stream` is the caller's live stream of this context
-            // (a `StreamRef`), capturing; the event is ours and outlives
-            // every graph that may replay this (the graph must not be
-            // replayed after the backend's release, as its control block).
-            unsafe { os.graph_serial.wait_external_raw(stream)? };
+            // (a `StreamRef`), capturing.
+            let id = unsafe { nccl_safe::Stream::capture_id_raw(&self.ctx, stream)? };
+            match os.last_capture {
+                // A later one-shot of the same graph: ordered after the
+                // earlier ones by the graph itself (stream order, or an
+                // edge from the earlier one's stream). An external wait
+                // here would wait for this very graph's own records.
+                Some((last, s)) if Some(last) == id => {
+                    if s != stream {
+                        // SAFETY: both streams are capturing into this
+                        // graph; the event is ours.
+                        unsafe { os.graph_fork.wait_raw(stream)? };
+                    }
+                }
+                // A graph's first one-shot: it waits, at each launch, for
+                // the one-shots of every graph launched before it.
+                // SAFETY: as above; the event is ours and outlives every
+                // graph that may replay this (a graph must not be replayed
+                // after the backend's release, as its control block).
+                _ => unsafe { os.graph_serial.wait_external_raw(stream)? },
+            }
+            os.last_capture = id.map(|id| (id, stream));
         } else if os.eager_stream.is_some_and(|s| s != stream) {
             // SAFETY: `stream` is ours or the caller's live stream of this
             // context (a `StreamRef`); the event is ours.
@@ -282,7 +314,10 @@ impl Inner {
         }
         if captured {
             // SAFETY: as above.
-            unsafe { os.graph_serial.record_external_raw(stream)? };
+            unsafe {
+                os.graph_serial.record_external_raw(stream)?;
+                os.graph_fork.record_raw(stream)?;
+            }
         } else {
             // SAFETY: as above.
             unsafe { os.eager_done.record_raw(stream)? };

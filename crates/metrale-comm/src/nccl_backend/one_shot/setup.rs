@@ -173,6 +173,7 @@ impl Inner {
         self.one_shot_release(slot, deadline);
         slot.one_shot.on = false;
         slot.one_shot.eager_stream = None;
+        slot.one_shot.last_capture = None;
         let policy = self.config.one_shot;
         let off = if policy == OneShotPolicy::Never {
             Some("the one-shot policy is `never`".to_string())
