@@ -2,7 +2,10 @@
 //! ranks simulated on device 0 (`comm_suite::one_shot_local`), each rank's
 //! kernel on its own stream, per call at 8 B to 1 MiB, eager (the host
 //! launches every rank's kernel per call) and in replayed graphs of
-//! [`GRAPH_CALLS`] calls per rank (the GPU's time per call), in bf16; the
+//! [`GRAPH_CALLS`] calls per rank (the GPU's time per call), in bf16, each
+//! call alone (`graph/k{k}`) and bracketed by the external event wait and
+//! record that order the backend's captured one-shots by launch
+//! (`graph_serial/k{k}`, decision 0017); the
 //! f16 and f32 kernels in replayed graphs at `k` = 2
 //! (`one_shot_local/graph_f16/k2`, `graph_f32/k2`); and, as the
 //! floor of a replayed call, `one_shot_local/graph/floor`: one 8-value
@@ -78,7 +81,14 @@ fn one_shot_local(c: &mut Criterion) {
             });
         }
         eager.finish();
-        graphs(c, &format!("one_shot_local/graph/k{k}"), &g, &f);
+        graphs(c, &format!("one_shot_local/graph/k{k}"), &g, &f, false);
+        graphs(
+            c,
+            &format!("one_shot_local/graph_serial/k{k}"),
+            &g,
+            &f,
+            true,
+        );
         if k == 2 {
             let floor_graphs = Floor::new(&ctx, &g).expect("the floor's graphs");
             let mut floor = c.benchmark_group("one_shot_local/graph/floor");
@@ -93,18 +103,28 @@ fn one_shot_local(c: &mut Criterion) {
 }
 
 /// The group `name`: graphs of [`GRAPH_CALLS`] calls per rank of `g`,
-/// replayed, at every size.
+/// replayed, at every size; `serial`: each call bracketed by the external
+/// wait and record the backend puts around a captured one-shot (what
+/// ordering replays by launch costs).
 fn graphs<T: OneShotElement + SuiteElem>(
     c: &mut Criterion,
     name: &str,
     g: &LocalOneShot<T>,
     f: &nccl_safe::Function,
+    serial: bool,
 ) {
     let mut graph = c.benchmark_group(name);
     for bytes in SIZES {
         let n = bytes / T::DATA_TYPE.size();
         let execs: Vec<_> = (0..g.ranks())
-            .map(|r| g.capture(f, r, n, GRAPH_CALLS as usize).expect("capture"))
+            .map(|r| {
+                if serial {
+                    g.capture_serial(f, r, n, GRAPH_CALLS as usize)
+                } else {
+                    g.capture(f, r, n, GRAPH_CALLS as usize)
+                }
+                .expect("capture")
+            })
             .collect();
         graph.throughput(Throughput::Bytes(bytes as u64));
         graph.bench_with_input(BenchmarkId::from_parameter(bytes), &n, |b, _| {
@@ -131,7 +151,7 @@ fn typed_graphs<T: OneShotElement + SuiteElem>(
     g.launch_all(&f, n, LANE_EAGER).expect("launch");
     g.wait().expect("wait");
     g.check("the first call", &inputs).expect("the sum");
-    graphs(c, &format!("one_shot_local/{group}/k2"), &g, &f);
+    graphs(c, &format!("one_shot_local/{group}/k2"), &g, &f, false);
 }
 
 /// Replays every rank's graph until `iters` calls ran; the time scaled to

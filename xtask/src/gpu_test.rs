@@ -13,7 +13,7 @@
 use crate::gpu_box;
 
 const HELP: &str = "\
-usage: cargo xtask gpu-test [--gpus N] [--modes threads,processes,socket,torchrun]
+usage: cargo xtask gpu-test [--gpus N] [--modes threads,processes,socket,torchrun,nodes,nodes-srun]
                             [--scenarios a,b] [--timeout SECS] [--repeat N]
                             [--torchrun PATH] [--bundle DIR]
 
@@ -22,6 +22,10 @@ scenario in every mode, then a table. The default modes are threads,
 processes and socket; torchrun mode launches the ranks with real
 `torchrun --no-python` (--torchrun, else $TORCHRUN, else
 /opt/torch/.venv/bin/torchrun; skipped with one line where there is none).
+The nodes and nodes-srun modes split the ranks over two emulated hosts
+(NCCL_HOSTID per host, torchrun's or srun's multi-node variables) and run
+the multi-host scenarios; on GPUs NCCL then connects the two halves over
+its network transport.
 --bundle DIR writes the binary and a run.sh to DIR instead of running
 (works without GPUs).
 ";
@@ -59,7 +63,7 @@ pub fn run(args: &[String]) -> anyhow::Result<i32> {
 
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Runs the metrale-comm multi-rank suite on this box's GPUs.
-# Options: --gpus N --modes threads,processes,socket,torchrun --scenarios a,b --timeout SECS --repeat N
+# Options: --gpus N --modes threads,processes,socket,torchrun,nodes,nodes-srun --scenarios a,b --timeout SECS --repeat N
 #          --torchrun PATH (torchrun mode; else $TORCHRUN, else /opt/torch/.venv/bin/torchrun)
 # NCCL_* variables are passed through exactly as given.
 set -euo pipefail

@@ -46,6 +46,15 @@ pub enum Mode {
     /// (static, `--standalone` and c10d rendezvous in turn); each rank
     /// first meets the others through torchrun's agent store.
     Torchrun,
+    /// One process per rank, the ranks split over two emulated hosts
+    /// (`NCCL_HOSTID` per host, the identity NCCL and the backend use),
+    /// with the variables torchrun sets on each node of a 2-node job
+    /// (`RANK`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`, ...).
+    /// Only scenarios that need several hosts run here.
+    Nodes,
+    /// As [`Mode::Nodes`], with the variables srun sets instead
+    /// (`SLURM_PROCID`, `SLURM_LOCALID`, `SLURM_NODEID`, ...).
+    NodesSrun,
 }
 
 impl Mode {
@@ -56,7 +65,14 @@ impl Mode {
             Mode::Processes => "processes",
             Mode::Socket => "socket",
             Mode::Torchrun => "torchrun",
+            Mode::Nodes => "nodes",
+            Mode::NodesSrun => "nodes-srun",
         }
+    }
+
+    /// Whether the mode spreads the ranks over several emulated hosts.
+    pub fn multi_host(self) -> bool {
+        matches!(self, Mode::Nodes | Mode::NodesSrun)
     }
 
     /// Parses a mode name.
@@ -66,7 +82,11 @@ impl Mode {
             "processes" => Ok(Mode::Processes),
             "socket" => Ok(Mode::Socket),
             "torchrun" => Ok(Mode::Torchrun),
-            other => anyhow::bail!("unknown mode `{other}` (threads, processes, socket, torchrun)"),
+            "nodes" => Ok(Mode::Nodes),
+            "nodes-srun" => Ok(Mode::NodesSrun),
+            other => anyhow::bail!(
+                "unknown mode `{other}` (threads, processes, socket, torchrun, nodes, nodes-srun)"
+            ),
         }
     }
 }
@@ -84,6 +104,8 @@ pub enum Needs {
     /// One process per rank (processes and socket modes), all ranks on
     /// device 0: runs at its fewest ranks on any box with a GPU.
     SharedDevice,
+    /// Ranks on two hosts (the nodes modes): an even world of at least 2.
+    Hosts,
 }
 
 /// One scenario of the suite.

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
 use metrale_comm::kernels::{self, OneShotElement};
-use nccl_safe::{Context, DeviceBuffer, Function, GraphExec, HostWords, Stream};
+use nccl_safe::{Context, DeviceBuffer, Event, Function, GraphExec, HostWords, Stream};
 
 use crate::data::{SuiteElem, random_vec};
 
@@ -49,6 +49,10 @@ pub struct LocalOneShot<T: OneShotElement> {
     data: Vec<DeviceBuffer<T>>,
     streams: Vec<Stream>,
     side: Stream,
+    /// Per rank: a second stream, and the graph lane's serial event (what
+    /// the backend brackets every captured one-shot with).
+    second: Vec<Stream>,
+    serial: Vec<Event>,
 }
 
 impl<T: OneShotElement> Drop for LocalOneShot<T> {
@@ -63,6 +67,11 @@ impl<T: OneShotElement> Drop for LocalOneShot<T> {
         }
         if let Err(e) = self.side.wait_until_idle(WAIT) {
             tracing::error!("the side stream's one-shot kernels did not end before the free: {e}");
+        }
+        for (r, s) in self.second.iter().enumerate() {
+            if let Err(e) = s.wait_until_idle(WAIT) {
+                tracing::error!("rank {r}'s second stream did not drain before the free: {e}");
+            }
         }
     }
 }
@@ -109,6 +118,10 @@ impl<T: OneShotElement + SuiteElem> LocalOneShot<T> {
             )?);
             streams.push(Stream::new(c)?);
         }
+        let second = (0..k).map(|_| Stream::new(c)).collect::<Result<_, _>>()?;
+        let serial = (0..k)
+            .map(|_| Event::new(c, false))
+            .collect::<Result<_, _>>()?;
         Ok(LocalOneShot {
             k,
             slot_bytes,
@@ -119,6 +132,8 @@ impl<T: OneShotElement + SuiteElem> LocalOneShot<T> {
             data,
             streams,
             side: Stream::new(c)?,
+            second,
+            serial,
         })
     }
 
@@ -272,10 +287,13 @@ impl<T: OneShotElement + SuiteElem> LocalOneShot<T> {
         (0..self.k).try_for_each(|r| self.launch(f, r, n, lane))
     }
 
-    /// Waits for every rank's stream and the side stream; fails if any
+    /// Waits for every rank's streams and the side stream; fails if any
     /// kernel set a status.
     pub fn wait(&self) -> anyhow::Result<()> {
         self.side.wait_until_idle(WAIT)?;
+        for s in &self.second {
+            s.wait_until_idle(WAIT)?;
+        }
         for s in &self.streams {
             s.wait_until_idle(WAIT)?;
         }
@@ -375,11 +393,57 @@ impl<T: OneShotElement + SuiteElem> LocalOneShot<T> {
         n: usize,
         calls: usize,
     ) -> anyhow::Result<GraphExec> {
+        self.capture_with(f, r, n, calls, false)
+    }
+
+    /// As [`LocalOneShot::capture`], the calls ordered as the backend
+    /// orders captured one-shots (decision 0017): an external wait on the
+    /// rank's serial event before the first, an external record of it
+    /// after each, so at each launch the graph's calls wait for those of
+    /// the rank's graphs launched before it, on any stream.
+    pub fn capture_serial(
+        &self,
+        f: &Function,
+        r: usize,
+        n: usize,
+        calls: usize,
+    ) -> anyhow::Result<GraphExec> {
+        self.capture_with(f, r, n, calls, true)
+    }
+
+    fn capture_with(
+        &self,
+        f: &Function,
+        r: usize,
+        n: usize,
+        calls: usize,
+        serial: bool,
+    ) -> anyhow::Result<GraphExec> {
         let s = &self.streams[r];
         s.begin_capture()?;
-        let launched = (0..calls).try_for_each(|_| self.launch(f, r, n, LANE_GRAPH));
+        let launched = (0..calls).try_for_each(|call| {
+            if serial && call == 0 {
+                // SAFETY: the stream is rank `r`'s, of this context and
+                // capturing; the event lives as long as `self`, which
+                // outlives its graphs' launches (dropping `self` waits for
+                // every stream).
+                unsafe { self.serial[r].wait_external_raw(s.raw()) }?;
+            }
+            self.launch(f, r, n, LANE_GRAPH)?;
+            if serial {
+                // SAFETY: as above.
+                unsafe { self.serial[r].record_external_raw(s.raw()) }?;
+            }
+            anyhow::Ok(())
+        });
         let graph = s.end_capture()?;
         launched?;
         Ok(graph.instantiate()?)
+    }
+
+    /// Rank `r`'s second stream (graphs of the rank replayed beside those
+    /// on its own).
+    pub fn second(&self, r: usize) -> &Stream {
+        &self.second[r]
     }
 }

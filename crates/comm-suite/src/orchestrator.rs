@@ -38,6 +38,12 @@ pub const DIR_ENV: &str = "METRALE_SUITE_DIR";
 pub const TORCHRUN_ENV: &str = "METRALE_SUITE_TORCHRUN";
 /// torchrun's rendezvous, taken in turn by the scenarios of torchrun mode.
 pub const TORCHRUN_RDZV: [&str; 3] = ["static", "standalone", "c10d"];
+/// Names, in a rank's environment, how the nodes modes launched it
+/// (`torchrun` or `srun`).
+pub const NODES_ENV: &str = "METRALE_SUITE_NODES";
+/// The emulated hosts of the nodes modes.
+pub const NODES: usize = 2;
+
 /// Where torchrun is looked for when `TORCHRUN` is not set.
 pub const DEFAULT_TORCHRUN: &str = "/opt/torch/.venv/bin/torchrun";
 
@@ -151,19 +157,28 @@ pub fn rank_main(name: &str, emulator: bool) -> anyhow::Result<i32> {
             .with_context(|| format!("{k} is not a number"))
     };
     let under_torchrun = std::env::var_os(TORCHRUN_ENV).is_some();
+    let nodes = std::env::var(NODES_ENV).ok();
     let launch = if under_torchrun {
         Some(Launch::from_env().context("reading torchrun's variables")?)
     } else {
         None
     };
-    let (rank, world, local) = match &launch {
-        Some(l) => (l.rank, l.world_size, l.device),
-        None => (var("RANK")?, var("WORLD_SIZE")?, var("LOCAL_RANK")?),
+    let (rank, world, local) = match (&launch, nodes.as_deref()) {
+        (Some(l), _) => (l.rank, l.world_size, l.device),
+        (None, Some(_)) => {
+            let l = Launch::from_env().context("reading the launcher's variables")?;
+            (l.rank, l.world_size, l.device)
+        }
+        (None, None) => (var("RANK")?, var("WORLD_SIZE")?, var("LOCAL_RANK")?),
     };
     let dir =
         PathBuf::from(std::env::var(DIR_ENV).with_context(|| format!("{DIR_ENV} is not set"))?);
     let mode = if under_torchrun {
         Mode::Torchrun
+    } else if nodes.as_deref() == Some("srun") {
+        Mode::NodesSrun
+    } else if nodes.is_some() {
+        Mode::Nodes
     } else if std::env::var("NCCL_P2P_DISABLE").as_deref() == Ok("1") {
         Mode::Socket
     } else {
@@ -240,13 +255,21 @@ fn spawn_ranks(
         if emulator {
             cmd.arg("--emulator");
         }
-        cmd.env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
+        if mode.multi_host() {
+            node_env(&mut cmd, mode, rank, world, emulator);
+        } else {
+            cmd.env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_RANK", rank.to_string());
+        }
+        cmd.env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
             .env(DIR_ENV, dir)
             .env("METRALE_COMM_DUMP_DIR", dir.join("dumps"));
+        if mode == Mode::NodesSrun {
+            // Under srun the store's host comes from the step's node list.
+            cmd.env_remove("MASTER_ADDR");
+        }
         if mode == Mode::Socket {
             cmd.env("NCCL_P2P_DISABLE", "1")
                 .env("NCCL_SHM_DISABLE", "1");
@@ -257,6 +280,58 @@ fn spawn_ranks(
         );
     }
     Ok(kids)
+}
+
+/// The environment of `rank` of `world` in a nodes mode: [`NODES`] hosts
+/// of `world / NODES` ranks, rank `r` on host `r / per` as local rank
+/// `r % per`, each host named by `NCCL_HOSTID`, with the variables
+/// torchrun (`Mode::Nodes`, a static rendezvous, rank 0 serving the store)
+/// or srun (`Mode::NodesSrun`) sets on a node of a multi-node job. On GPUs
+/// the ranks of both emulated hosts share the box's devices:
+/// `METRALE_COMM_DEVICE` spreads them, one rank a GPU.
+fn node_env(cmd: &mut Command, mode: Mode, rank: usize, world: usize, emulator: bool) {
+    let per = world / NODES;
+    let (node, local) = (rank / per, rank % per);
+    cmd.env("NCCL_HOSTID", format!("comm-suite-node-{node}"))
+        .env(
+            NODES_ENV,
+            if mode == Mode::NodesSrun {
+                "srun"
+            } else {
+                "torchrun"
+            },
+        );
+    if !emulator {
+        cmd.env(metrale_comm::rendezvous::DEVICE_ENV, rank.to_string());
+    }
+    for k in ["RANK", "WORLD_SIZE", "LOCAL_RANK", TORCHRUN_ENV] {
+        cmd.env_remove(k);
+    }
+    if mode == Mode::NodesSrun {
+        let nodelist = "localhost";
+        cmd.env("SLURM_PROCID", rank.to_string())
+            .env("SLURM_NTASKS", world.to_string())
+            .env("SLURM_LOCALID", local.to_string())
+            .env("SLURM_NODEID", node.to_string())
+            .env("SLURM_NNODES", NODES.to_string())
+            .env("SLURM_NTASKS_PER_NODE", per.to_string())
+            .env("SLURM_JOB_ID", "4242")
+            .env("SLURM_STEP_ID", "0")
+            .env("SLURM_JOB_NODELIST", nodelist)
+            .env("SLURM_STEP_NODELIST", nodelist);
+    } else {
+        cmd.env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_WORLD_SIZE", per.to_string())
+            .env("GROUP_RANK", node.to_string())
+            .env("GROUP_WORLD_SIZE", NODES.to_string())
+            .env("ROLE_RANK", rank.to_string())
+            .env("ROLE_WORLD_SIZE", world.to_string())
+            .env("TORCHELASTIC_RUN_ID", "comm-suite-nodes")
+            .env("TORCHELASTIC_RESTART_COUNT", "0")
+            .env("TORCHELASTIC_USE_AGENT_STORE", "False");
+    }
 }
 
 /// torchrun in its own process group, running `comm-suite rank` on
@@ -605,6 +680,28 @@ fn run_cell(
     if opts.emulator && mode == Mode::Socket {
         return Ok(Outcome::Skip(
             "the emulator has no transports to turn off: socket mode is its processes mode".into(),
+        ));
+    }
+    if sc.needs == Needs::Hosts {
+        if !mode.multi_host() {
+            return Ok(Outcome::Skip(
+                "needs ranks on two hosts: the nodes and nodes-srun modes".into(),
+            ));
+        }
+        let world = match sc.world_for(gpus) {
+            Ok(w) if opts.emulator || w <= gpus => w - w % NODES,
+            Ok(_) | Err(_) => 0,
+        };
+        if world < NODES {
+            return Ok(Outcome::Skip(format!(
+                "needs {NODES} GPUs, {gpus} available"
+            )));
+        }
+        return run_one(sc, world, mode, opts, rdzv);
+    }
+    if mode.multi_host() {
+        return Ok(Outcome::Skip(
+            "runs on one host (the nodes modes run the multi-host scenarios)".into(),
         ));
     }
     if sc.needs == Needs::EmulatorFaults && !opts.emulator {

@@ -8,7 +8,10 @@
 //! paths for tens of seconds; a few run again with three, and the
 //! one-shot path's streams, stuck-rank and split scenarios with eight; and
 //! the killed-rank scenario (`rel_sigkill_rank`: a rank SIGKILLed
-//! mid-collective, the survivor must error within its timeout) 20 times.
+//! mid-collective, the survivor must error within its timeout) 20 times;
+//! and the multi-host scenarios in the nodes modes (two emulated hosts,
+//! started with torchrun's and with srun's variables) at 2 x 2 and 2 x 4
+//! ranks.
 //! `emulator.rs` runs every scenario in threads mode, unchanged.
 //!
 //! Invariant: every run is bounded: the orchestrator kills a scenario's
@@ -88,13 +91,22 @@ const SIGKILL_REPEAT: usize = 20;
 /// The longest one orchestrator run may take.
 const LIMIT: Duration = Duration::from_secs(900);
 
+/// The scenarios of ranks on two emulated hosts (the nodes modes, with
+/// torchrun's and srun's multi-node variables), at 2 x 2 and 2 x 4 ranks.
+const NODES: &[&str] = &["nodes_split_one_shot"];
+
 /// Runs `comm-suite run --emulator --modes processes` over `scenarios` on
 /// `gpus` emulated GPUs; returns its stdout, failing with both outputs
 /// when it fails.
 fn orchestrate(gpus: usize, scenarios: &[&str]) -> String {
+    orchestrate_in("processes", gpus, scenarios)
+}
+
+/// [`orchestrate`] in `modes`.
+fn orchestrate_in(modes: &str, gpus: usize, scenarios: &[&str]) -> String {
     let lib = comm_suite::emu::find_library().expect("the emulator library");
     let mut child = Command::new(env!("CARGO_BIN_EXE_comm-suite"))
-        .args(["run", "--emulator", "--modes", "processes"])
+        .args(["run", "--emulator", "--modes", modes])
         .args(["--gpus", &gpus.to_string()])
         .args(["--scenarios", &scenarios.join(",")])
         .args(["--repeat", &SIGKILL_REPEAT.to_string()])
@@ -165,10 +177,26 @@ fn processes_mode_on_the_emulator() {
     let eight = orchestrate(8, EIGHT_RANKS);
     let took_eight = t.elapsed();
     assert!(eight.contains("comm-suite: 0 failure(s)"), "{eight}");
+    let t = Instant::now();
+    let mut nodes = String::new();
+    for gpus in [4, 8] {
+        let out = orchestrate_in("nodes,nodes-srun", gpus, NODES);
+        assert!(out.contains("comm-suite: 0 failure(s)"), "{out}");
+        for sc in NODES {
+            assert!(
+                out.lines()
+                    .any(|l| l.starts_with(sc) && l.matches("PASS").count() == 2),
+                "{sc} did not pass in both nodes modes at {gpus} ranks:\n{out}"
+            );
+        }
+        nodes.push_str(&out);
+    }
+    let took_nodes = t.elapsed();
     show(&format!(
-        "\n{two}\n(two ranks, rel_sigkill_rank x{SIGKILL_REPEAT}: {:.0}s)\n\n{three}\n(three ranks: {:.0}s)\n\n{eight}\n(eight ranks: {:.0}s)\n",
+        "\n{two}\n(two ranks, rel_sigkill_rank x{SIGKILL_REPEAT}: {:.0}s)\n\n{three}\n(three ranks: {:.0}s)\n\n{eight}\n(eight ranks: {:.0}s)\n\n{nodes}\n(two hosts of 2 and of 4 ranks: {:.0}s)\n",
         took_two.as_secs_f64(),
         took_three.as_secs_f64(),
-        took_eight.as_secs_f64()
+        took_eight.as_secs_f64(),
+        took_nodes.as_secs_f64()
     ));
 }

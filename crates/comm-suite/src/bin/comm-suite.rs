@@ -11,7 +11,7 @@ use comm_suite::orchestrator::{self, Opts};
 
 const USAGE: &str = "\
 usage: comm-suite list
-       comm-suite run [--gpus N] [--modes threads,processes,socket,torchrun] [--scenarios a,b]
+       comm-suite run [--gpus N] [--modes threads,processes,socket,torchrun,nodes,nodes-srun] [--scenarios a,b]
                       [--timeout SECS] [--repeat N] [--emulator] [--torchrun PATH]
            (torchrun mode: --torchrun, else TORCHRUN, else /opt/torch/.venv/bin/torchrun)
        comm-suite rank --scenario NAME [--emulator]         (one rank; torchrun env)

@@ -6,7 +6,9 @@
 pub mod api;
 pub mod backend;
 pub mod fuzz;
+pub mod graph_events;
 pub mod integrity;
+pub mod nodes;
 pub mod oneshot;
 pub mod oneshot_ipc;
 pub mod oneshot_kernel;
@@ -418,6 +420,24 @@ pub fn all() -> Vec<Scenario> {
             &[2],
             Nothing,
             two_worlds::free_deadlock,
+        ),
+        s(
+            "graph_events_one_device",
+            "the CUDA external-event order the one-shot graph lane relies on, on this driver",
+            1,
+            Some(1),
+            &[1],
+            Nothing,
+            graph_events::one_device,
+        ),
+        s(
+            "nodes_split_one_shot",
+            "a world over 2 hosts: NCCL; a group per host on the one-shot path; across hosts not",
+            2,
+            None,
+            &[4, 8],
+            Hosts,
+            nodes::split_one_shot,
         ),
         s(
             "fuzz_schedules",

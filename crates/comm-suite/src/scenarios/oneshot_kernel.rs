@@ -37,7 +37,7 @@ use anyhow::Context as _;
 
 use half::{bf16, f16};
 use metrale_comm::kernels::{self, OneShotElement, OneShotStatus};
-use nccl_safe::Module;
+use nccl_safe::{GraphExec, Module};
 
 use crate::RankCtx;
 use crate::data::SuiteElem;
@@ -121,6 +121,10 @@ fn kernel_of<T: OneShotElement + SuiteElem>(
             ranks.wait()?;
             ranks.check(&format!("eager after replays, {n} values"), &inputs)?;
         }
+        ctx.step(format!(
+            "{k} ranks, {dtype}, serial graphs replayed at once"
+        ));
+        serial_graphs_at_once(&mut ranks, &f, seed ^ 0x5e41)?;
         drop(ranks);
         if !bounds {
             continue;
@@ -168,6 +172,53 @@ fn kernel_of<T: OneShotElement + SuiteElem>(
 /// For every size of `sizes`, one eager call per offset of `offsets` (the
 /// call's values that many elements from aligned), every rank checked;
 /// the offset is 0 again after.
+/// Two graphs per rank of calls ordered as the backend orders captured
+/// one-shots (an external wait on the rank's serial event before a
+/// graph's first call, a record after each: decision 0017), replayed at
+/// once, one on the
+/// rank's stream and one on its second stream, the last rank's first:
+/// each launch's calls wait for those launched before on that rank, so no
+/// call finds its lane held (no status) and every call sums the previous
+/// one's result, bit for bit. (Without the brackets the second graph's
+/// first call finds the lane held: `second_call_on_a_held_lane`.)
+fn serial_graphs_at_once<T: OneShotElement + SuiteElem>(
+    ranks: &mut LocalOneShot<T>,
+    f: &nccl_safe::Function,
+    seed: u64,
+) -> anyhow::Result<()> {
+    const CALLS: usize = 3;
+    let k = ranks.ranks();
+    for n in [1, 4097, ranks.max_elems()] {
+        let first: Vec<GraphExec> = (0..k)
+            .map(|r| ranks.capture_serial(f, r, n, CALLS))
+            .collect::<anyhow::Result<_>>()?;
+        let second: Vec<GraphExec> = (0..k)
+            .map(|r| ranks.capture_serial(f, r, n, CALLS))
+            .collect::<anyhow::Result<_>>()?;
+        let inputs = ranks.fill(seed ^ n as u64, n)?;
+        for r in (0..k).rev() {
+            first[r].launch(ranks.stream(r))?;
+            second[r].launch(ranks.second(r))?;
+        }
+        ranks.wait()?;
+        // Every rank holds the same sum after each call: the input of the
+        // next is that sum on every rank.
+        let mut want = inputs;
+        for _ in 1..2 * CALLS {
+            let s = kernels::one_shot_sum(&want).map_err(anyhow::Error::msg)?;
+            want = vec![s; k];
+        }
+        ranks.check(
+            &format!(
+                "{} serial calls of {n} values in two graphs replayed at once",
+                2 * CALLS
+            ),
+            &want,
+        )?;
+    }
+    Ok(())
+}
+
 fn eager_calls<T: OneShotElement + SuiteElem>(
     ranks: &mut LocalOneShot<T>,
     f: &nccl_safe::Function,
