@@ -485,7 +485,8 @@ impl Loop {
                     }
                 }
                 Scan::Refused(r) => {
-                    self.refuse(slot, r, false);
+                    let keys = frame::keys_named(view);
+                    self.refuse_set(slot, r, keys);
                     return false;
                 }
                 Scan::Garbage(why) => {
@@ -655,6 +656,19 @@ impl Loop {
         }
     }
 
+    /// Refuses a query that was not read whole (over a bound, or past
+    /// memory), ending the waits on the keys it names.
+    fn refuse_set(&mut self, slot: usize, r: StoreRefusal, keys: Vec<Vec<u8>>) {
+        let ready = self.conn(slot).is_some_and(|c| c.stage == Stage::Ready);
+        if ready && !keys.is_empty() {
+            let (r, ended) = self.store.refuse_keys(r, keys);
+            self.end_waits(ended);
+            self.refuse(slot, r, false);
+        } else {
+            self.refuse(slot, r, false);
+        }
+    }
+
     fn serve_query(&mut self, slot: usize, q: Query) {
         let Some(stage) = self.conn(slot).map(|c| c.stage.clone()) else {
             return;
@@ -739,6 +753,12 @@ impl Loop {
             self.refuse(slot, r, true);
             return;
         }
+        // A plain client learns of a refused set from the PING it sends
+        // after it; a query with a reply is refused by closing.
+        let no_reply = matches!(
+            q,
+            Query::Set(..) | Query::Append(..) | Query::MultiSet(_) | Query::QueuePush(..)
+        );
         let result = self.store.apply(slot, q, &self.limits, &mut self.mem);
         match result {
             Ok(out) => {
@@ -755,7 +775,7 @@ impl Loop {
             }
             Err((r, ended)) => {
                 self.end_waits(ended);
-                self.refuse(slot, r, true);
+                self.refuse(slot, r, no_reply);
             }
         }
     }

@@ -211,6 +211,36 @@ fn read_u64(buf: &[u8], at: usize) -> Option<u64> {
     Some(u64::from_le_bytes(bytes))
 }
 
+/// The keys a set-like query (set, append, queue push, compare-set, add,
+/// multi-set) names in `buf`, the start of its frame, as far as they are
+/// there whole: the keys whose waits a refusal of it must end.
+pub(super) fn keys_named(buf: &[u8]) -> Vec<Vec<u8>> {
+    let Some((&kind, rest)) = buf.split_first() else {
+        return Vec::new();
+    };
+    let mut c = Cursor(rest);
+    match kind {
+        query::SET | query::APPEND | query::QUEUE_PUSH | query::COMPARE_SET | query::ADD => {
+            c.blob().into_iter().collect()
+        }
+        query::MULTI_SET => {
+            let mut keys = Vec::new();
+            let Some(n) = c.u64() else {
+                return keys;
+            };
+            for _ in 0..n {
+                let Some(k) = c.blob() else { break };
+                keys.push(k);
+                if c.blob().is_none() {
+                    break;
+                }
+            }
+            keys
+        }
+        _ => Vec::new(),
+    }
+}
+
 /// A cursor over a frame the scanner accepted.
 struct Cursor<'a>(&'a [u8]);
 

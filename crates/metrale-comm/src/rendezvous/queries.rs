@@ -446,7 +446,7 @@ impl Store {
     }
 
     /// Keeps `r` for every key of a refused query and ends their waits.
-    fn refuse_keys(
+    pub(super) fn refuse_keys(
         &mut self,
         r: StoreRefusal,
         keys: impl IntoIterator<Item = Vec<u8>>,
