@@ -105,7 +105,7 @@ fn status_field(name: &str) -> usize {
         .and_then(|s| {
             s.lines()
                 .find_map(|l| l.strip_prefix(name))
-                .and_then(|v| v.trim().split_whitespace().next()?.parse().ok())
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
         })
         .unwrap_or(0)
 }
