@@ -87,10 +87,7 @@ impl Memory {
         StoreRefusal::limit(
             StoreLimit::Memory,
             self.cap,
-            format!(
-                "{what} would pass the store's memory limit ({} bytes in use)",
-                self.used
-            ),
+            format!("{what} does not fit ({} bytes in use)", self.used),
         )
     }
 }
