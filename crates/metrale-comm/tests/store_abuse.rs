@@ -397,3 +397,37 @@ fn memory_stays_bounded() -> Result<()> {
     settles(&server, 1)?;
     Ok(())
 }
+
+#[test]
+fn a_client_that_reads_late_gets_every_reply() -> Result<()> {
+    // 64 GETs of a 1 MiB value sent at once, read only afterwards: the
+    // server stops taking queries while 1 MiB of replies waits, and
+    // serves the rest as the client reads.
+    let server = StoreServer::bind(loopback0(), None)?;
+    let addr = server.local_addr();
+    let c = StoreClient::connect(addr, None, T)?;
+    let value: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();
+    c.set("big", &value)?;
+    let mut q = VALIDATE.to_vec();
+    for _ in 0..64 {
+        q.push(3);
+        blob(&mut q, b"big");
+    }
+    let mut s = TcpStream::connect(addr)?;
+    s.write_all(&q)?;
+    std::thread::sleep(Duration::from_millis(300));
+    let held = server.stats().in_flight_bytes;
+    assert!(held < 8 << 20, "{held} bytes of replies held");
+    s.set_read_timeout(Some(T))?;
+    for i in 0..64 {
+        let mut len = [0u8; 8];
+        s.read_exact(&mut len)
+            .with_context(|| format!("reply {i}"))?;
+        assert_eq!(u64::from_le_bytes(len), 1 << 20);
+        let mut got = vec![0u8; 1 << 20];
+        s.read_exact(&mut got)?;
+        assert!(got == value, "reply {i} differs");
+    }
+    settles(&server, 2)?;
+    Ok(())
+}

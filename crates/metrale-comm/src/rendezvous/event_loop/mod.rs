@@ -179,10 +179,13 @@ impl Loop {
                 }
             }
             while let Some(slot) = self.resume.pop_front() {
-                if self.conns.get(slot).is_some_and(|c| {
+                let ready = self.conns.get(slot).is_some_and(|c| {
                     c.as_ref()
                         .is_some_and(|c| c.unread && c.pending_out() <= OUT_HIGH_WATER)
-                }) {
+                });
+                // The queries already in the tail first: the client may
+                // have sent them all and be waiting for their replies.
+                if ready && self.take_bytes(slot, &[]) {
                     self.read(slot);
                 }
             }
