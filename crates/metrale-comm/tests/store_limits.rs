@@ -404,6 +404,70 @@ fn a_full_store_is_a_typed_error_at_every_rank() -> Result<()> {
 }
 
 #[test]
+fn a_barrier_key_refused_is_a_typed_error_at_every_rank() -> Result<()> {
+    // Ranks 0 and 1 are at the barrier; the store fills; rank 2's key is
+    // refused: every rank hears the refusal, none times out.
+    let cap = 4 << 20;
+    let mut limits = StoreLimits::default();
+    limits.memory = cap;
+    let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let rank0 = Arc::new(TcpRendezvous::with_limits(0, 3, addr, None, limits, T)?);
+    let rank1 = Arc::new(TcpRendezvous::new(1, 3, addr, None, T)?);
+    let rank2 = TcpRendezvous::new(2, 3, addr, None, T)?;
+    let at = |rv: Arc<TcpRendezvous>| {
+        std::thread::spawn(move || {
+            let start = Instant::now();
+            (rv.barrier("b", T), start.elapsed())
+        })
+    };
+    let (w0, w1) = (at(Arc::clone(&rank0)), at(rank1));
+    std::thread::sleep(Duration::from_millis(300));
+    let filler = StoreClient::connect_ours(addr, None, T)?;
+    ensure!(fill(&filler)? >= 1);
+    drop(filler);
+    std::thread::sleep(Duration::from_millis(200));
+    // Rank 2's own sets, on its open connection, leave 80 bytes: its
+    // barrier key (86 bytes with its overhead) does not fit.
+    let mut i = 0;
+    loop {
+        rank2.client().ping()?;
+        let used = rank0.store_stats().context("rank 0 serves")?.memory_bytes;
+        let free = cap.saturating_sub(used);
+        let key = format!("pad/{i:04}");
+        let overhead = key.len() + 64;
+        ensure!(free >= 80 + overhead, "{free} bytes free");
+        let len = if free < 4096 {
+            free - 80 - overhead
+        } else {
+            ((free - 2048) / 2).min(16 << 10)
+        };
+        rank2.client().set(&key, &vec![0u8; len])?;
+        i += 1;
+        if free < 4096 {
+            break;
+        }
+    }
+    let e2 = rank2
+        .barrier("b", T)
+        .expect_err("rank 2's key does not fit");
+    assert_eq!(refusal_of(&e2), Some(StoreLimit::Memory), "{e2}");
+    for (rank, w) in [(0, w0), (1, w1)] {
+        let (r, took) = w.join().expect("rank");
+        let e = r.expect_err("a refused barrier");
+        assert_eq!(refusal_of(&e), Some(StoreLimit::Memory), "rank {rank}: {e}");
+        assert!(
+            e.to_string().contains("METRALE_STORE_MEMORY"),
+            "rank {rank}: {e}"
+        );
+        assert!(
+            took < Duration::from_secs(5),
+            "rank {rank} heard after {took:?}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
 fn add_overflow_is_an_error_not_a_wrap() -> Result<()> {
     let server = StoreServer::bind(loopback0(), None)?;
     let c = StoreClient::connect(server.local_addr(), None, T)?;

@@ -28,8 +28,9 @@
 //! - On a connection that speaks the extension every reply starts with a
 //!   status byte; a refusal in its place is
 //!   [`RendezvousError::StoreRefused`], which names the limit, its value
-//!   and the variable that raises it, and the connection is dropped (the
-//!   store closes it too). A store that closes the connection at
+//!   and the variable that raises it; the connection stays in step (the
+//!   store closes it only after a query it could not read whole, found at
+//!   the next use). A store that closes the connection at
 //!   `METRALE_HELLO` does not speak the extension (a PyTorch store, or an
 //!   older one of ours): the client goes on without it, once.
 
@@ -237,7 +238,11 @@ impl StoreClient {
             Ok(proto::STATUS_OK) => Ok(()),
             Ok(proto::STATUS_REFUSED) => {
                 let r = proto::read_refusal(&mut live.stream, self.io_deadline()).map_err(wire)?;
-                Err(self.refused(r))
+                // The store keeps a connection whose query it read whole.
+                Err(Fail::Clean(RendezvousError::StoreRefused {
+                    addr: self.addr,
+                    refusal: r,
+                }))
             }
             Ok(other) => Err(Fail::Fatal(RendezvousError::Protocol(format!(
                 "a reply's status byte is {other}"
@@ -483,7 +488,22 @@ impl StoreClient {
         let mut bytes = q.bytes().to_vec();
         bytes.extend_from_slice(Query::new(query::PING).u32(self.nonce).bytes());
         proto::send(&mut live.stream, &bytes).map_err(transport)?;
-        self.status(live, self.io_deadline())?;
+        if let Err(refused) = self.status(live, self.io_deadline()) {
+            // A refused set has no reply of its own: its refusal comes in
+            // place of the PING's, which still follows on a connection
+            // the store keeps.
+            let Fail::Clean(e) = refused else {
+                return Err(refused);
+            };
+            let in_step = self.status(live, self.io_deadline()).is_ok()
+                && proto::read_u32_by(&mut live.stream, self.io_deadline())
+                    .is_ok_and(|echo| echo == self.nonce);
+            return Err(if in_step {
+                Fail::Clean(e)
+            } else {
+                Fail::Fatal(e)
+            });
+        }
         let echo = proto::read_u32_by(&mut live.stream, self.io_deadline()).map_err(transport)?;
         if echo == !self.nonce {
             return Err(Fail::Fatal(RendezvousError::Protocol(format!(
@@ -538,7 +558,10 @@ impl StoreClient {
             }
             (true, Ok(proto::STATUS_REFUSED)) => {
                 let r = proto::read_refusal(&mut live.stream, self.io_deadline()).map_err(wire)?;
-                return Err(self.refused(r));
+                return Err(Fail::Clean(RendezvousError::StoreRefused {
+                    addr: self.addr,
+                    refusal: r,
+                }));
             }
             (_, Ok(b)) => b,
             (_, Err(e)) if e.kind() == std::io::ErrorKind::TimedOut => TIMED_OUT,
@@ -761,6 +784,21 @@ impl StoreClient {
         self.call("queue_len", self.io_deadline(), true, |live, _| {
             self.ask(live, &q)?;
             self.read_i64(live)
+        })
+    }
+
+    /// Ends every wait on `key` with `refusal` (which this client got),
+    /// where the store speaks this crate's extension; elsewhere nothing.
+    pub(crate) fn pass_refusal(
+        &self,
+        key: &str,
+        refusal: &StoreRefusal,
+    ) -> Result<(), RendezvousError> {
+        let q = Query::new(query::METRALE_REFUSE)
+            .blob(key.as_bytes())
+            .blob(&proto::refusal_bytes(refusal));
+        self.call("pass_refusal", self.io_deadline(), true, |live, _| {
+            if live.ext { self.ask(live, &q) } else { Ok(()) }
         })
     }
 

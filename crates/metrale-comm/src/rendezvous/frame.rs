@@ -35,6 +35,8 @@ pub(super) enum Query {
     ListKeys,
     Auth(Vec<u8>),
     Hello(u32),
+    /// This crate's `METRALE_REFUSE`: a key and a refusal (as bytes).
+    Refuse(Vec<u8>, Vec<u8>),
 }
 
 /// A field of a query.
@@ -55,7 +57,9 @@ fn shape(kind: u8) -> Option<(&'static [Field], Option<&'static [Field]>)> {
     use Field::*;
     Some(match kind {
         query::VALIDATE | query::PING | query::METRALE_HELLO => (&[U32], None),
-        query::SET | query::APPEND | query::QUEUE_PUSH => (&[Key, Value], None),
+        query::SET | query::APPEND | query::QUEUE_PUSH | query::METRALE_REFUSE => {
+            (&[Key, Value], None)
+        }
         query::COMPARE_SET => (&[Key, Value, Value], None),
         query::GET | query::DELETE_KEY | query::QUEUE_POP | query::QUEUE_LEN => (&[Key], None),
         query::ADD | query::BARRIER => (&[Key, U64], None),
@@ -305,6 +309,7 @@ pub(super) fn parse(frame: &[u8]) -> Option<Query> {
         query::CANCEL_WAIT => Query::CancelWait,
         query::LIST_KEYS => Query::ListKeys,
         query::METRALE_AUTH => Query::Auth(c.blob()?),
+        query::METRALE_REFUSE => Query::Refuse(c.blob()?, c.blob()?),
         _ => return None,
     };
     c.0.is_empty().then_some(q)

@@ -33,6 +33,7 @@
 //! | `BARRIER` (18) | key, `i64` world size | `u8` 0 (`STOP_WAITING`) once the key's count reaches the world size |
 //! | [`query::METRALE_AUTH`] (0xA5, ours) | token | `u8`: 0 accepted, 1 refused, 2 a refusal follows |
 //! | [`query::METRALE_HELLO`] (0xA6, ours) | `u32` version | status, `u32` version |
+//! | [`query::METRALE_REFUSE`] (0xA7, ours, after `METRALE_HELLO`) | key, a refusal as a value | status |
 //!
 //! `WAIT` has no timeout on the wire: the client waits as long as it likes
 //! and then sends `CANCEL_WAIT`. A `WAIT` is also ended by a `QUEUE_PUSH` to
@@ -48,7 +49,9 @@
 //! [`STATUS_REFUSED`] then a refusal ([`write_refusal`]: the limit's code,
 //! its value, the variable that raises it, the reason), after which the
 //! server closes the connection. A `WAIT` a refused set will never end
-//! gets that refusal in place of its `STOP_WAITING`.
+//! gets that refusal in place of its `STOP_WAITING`; `METRALE_REFUSE` hands
+//! a refusal a client got to the waits on another key (rank 0 passing a
+//! rank's refused barrier key on to the ranks waiting for the barrier).
 //!
 //! Invariants: every length is checked against a caller-given bound before
 //! anything is allocated for it, and a value is allocated as its bytes
@@ -94,6 +97,8 @@ pub(crate) mod query {
     /// This crate's extension: a client of ours asks for status bytes and
     /// refusals (the module docs).
     pub const METRALE_HELLO: u8 = 0xA6;
+    /// This crate's extension: ends every wait on a key with a refusal.
+    pub const METRALE_REFUSE: u8 = 0xA7;
 }
 
 /// `CHECK`'s replies.
@@ -310,6 +315,34 @@ pub(crate) fn write_refusal(out: &mut Vec<u8>, r: &StoreRefusal) {
         out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
         out.extend_from_slice(bytes);
     }
+}
+
+/// A refusal as the value of `METRALE_REFUSE`.
+pub(crate) fn refusal_bytes(r: &StoreRefusal) -> Vec<u8> {
+    let mut v = Vec::new();
+    write_refusal(&mut v, r);
+    v
+}
+
+/// The refusal in `bytes` (as [`refusal_bytes`] wrote it), if it is one.
+pub(crate) fn refusal_from_bytes(bytes: &[u8]) -> Option<StoreRefusal> {
+    let (&code, rest) = bytes.split_first()?;
+    let value = u64::from_le_bytes(rest.get(..8)?.try_into().ok()?);
+    let mut rest = &rest[8..];
+    let mut text = || -> Option<String> {
+        let len = usize::try_from(u64::from_le_bytes(rest.get(..8)?.try_into().ok()?)).ok()?;
+        let t = rest.get(8..8 + len)?;
+        rest = &rest[8 + len..];
+        Some(String::from_utf8_lossy(t).into_owned())
+    };
+    let variable = text()?;
+    let detail = text()?;
+    Some(StoreRefusal {
+        limit: StoreLimit::from_code(code),
+        value,
+        variable,
+        detail,
+    })
 }
 
 /// Reads what [`write_refusal`] wrote, by `deadline`.

@@ -371,7 +371,7 @@ impl Store {
                 out.reply = Some(reply);
             }
             Query::Barrier(key, world) => self.barrier(conn, key, world, mem, &mut out)?,
-            Query::Validate(_) | Query::Auth(_) | Query::Hello(_) => {
+            Query::Validate(_) | Query::Auth(_) | Query::Hello(_) | Query::Refuse(..) => {
                 // The handshake's queries, handled by the server before a
                 // connection gets here.
                 return Err(plain(StoreRefusal::other(
@@ -448,7 +448,12 @@ impl Store {
         r: StoreRefusal,
         keys: impl IntoIterator<Item = Vec<u8>>,
     ) -> (StoreRefusal, Vec<(ConnId, WaitEnd)>) {
-        let mut detail = format!("{} (refused at another client's set)", r.detail);
+        const ELSEWHERE: &str = " (refused at another client's set)";
+        let mut detail = if r.detail.ends_with(ELSEWHERE) {
+            r.detail.clone()
+        } else {
+            format!("{}{ELSEWHERE}", r.detail)
+        };
         if detail.len() > MAX_REFUSAL_DETAIL {
             let mut end = MAX_REFUSAL_DETAIL;
             while !detail.is_char_boundary(end) {

@@ -8,7 +8,9 @@
 //! rank 0 under `{ns}uid/{g}`; the others wait for it (`WAIT`, then `GET`).
 //! A barrier sets `{ns}barrier/{name}/{n}/{rank}`; rank 0 waits for every
 //! rank's key (one `WAIT` for up to [`BARRIER_CHUNK`] keys) and then sets
-//! `{ns}barrier/{name}/{n}/done`, which every other rank waits for: each
+//! `{ns}barrier/{name}/{n}/done`, which every other rank waits for (a
+//! refusal of a rank's key rank 0 passes on to them, on a store of ours,
+//! `StoreClient::pass_refusal`): each
 //! rank sends O(1) bytes and the store holds O(world) waits (a `WAIT` of
 //! every key by every rank was O(world²)). Only idempotent queries, so a
 //! client may send them again after a lost connection. Rank 0 must keep
@@ -44,6 +46,8 @@ const DEFAULT_NAMESPACE: &str = "metrale/";
 /// takes 131072, ours [`StoreLimits::max_keys_per_query`]).
 pub(crate) const BARRIER_CHUNK: usize = 16384;
 
+/// What a barrier's keys hold once set (`done` too, when every rank came).
+const BARRIER_PASSED: &[u8] = b"1";
 /// Who serves the store a rendezvous uses, and how.
 #[derive(Debug, Clone)]
 pub(crate) enum Serving {
@@ -311,7 +315,8 @@ impl Rendezvous for TcpRendezvous {
         let left = || timeout.saturating_sub(start.elapsed());
         let n = self.barriers.next(name);
         let base = format!("{}barrier/{name}/{n}", self.namespace);
-        self.client.set(&format!("{base}/{}", self.rank), b"1")?;
+        self.client
+            .set(&format!("{base}/{}", self.rank), BARRIER_PASSED)?;
         let done = format!("{base}/done");
         if self.rank != 0 {
             return self.client.wait(&[&done], left()).map_err(|e| match e {
@@ -340,11 +345,17 @@ impl Rendezvous for TcpRendezvous {
                         ),
                         after: timeout,
                     },
+                    RendezvousError::StoreRefused { addr, refusal } => {
+                        // A rank's key was refused: the ranks waiting for
+                        // `done` hear it too (from a store of ours).
+                        let _ = self.client.pass_refusal(&done, &refusal);
+                        RendezvousError::StoreRefused { addr, refusal }
+                    }
                     other => other,
                 });
             }
         }
-        self.client.set(&done, b"1")
+        self.client.set(&done, BARRIER_PASSED)
     }
 
     fn group(

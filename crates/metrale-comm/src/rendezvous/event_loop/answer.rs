@@ -2,9 +2,11 @@
 //! the token, `METRALE_HELLO`), a query past it (applied to the store,
 //! its reply queued, the waits it ends told), and refusals.
 //!
-//! Invariants: a refusal closes the connection, after the refusal for a
-//! client that speaks the extension; a plain client whose set was refused
-//! whole may have one `PING` answered with the nonce's complement first;
+//! Invariants: a client that speaks the extension is told every refusal,
+//! and its connection stays open unless the query was not read whole (the
+//! stream is then out of step); a plain client's connection is closed, and
+//! one whose set was refused whole may have one `PING` answered with the
+//! nonce's complement first;
 //! a refused set-like query ends the waits on the keys it names; a reply's
 //! bound is checked against memory before its query is applied.
 
@@ -14,14 +16,26 @@ use super::super::frame::Query;
 use super::super::limits::{StoreLimit, StoreRefusal};
 use super::super::proto;
 use super::super::queries::{ConnId, WaitEnd};
-use super::Loop;
 use super::io::Stage;
+use super::{Loop, PREPAID_OUT};
+
+/// What a refusal refuses, which decides whether the connection stays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Refusal {
+    /// A query not read whole (over a bound, or past memory): the stream
+    /// is out of step, the connection closes.
+    Frame,
+    /// A query read whole; a plain client's `PING` after it gets the
+    /// nonce's complement when `answer_ping` (a set, which has no reply).
+    Whole { answer_ping: bool },
+    /// A wait a refused set ended.
+    Wait,
+}
 
 impl Loop {
-    /// Refuses the connection's query (or the connection): a client of
-    /// ours is told why; `whole` says the query was read to its end (a
-    /// plain client may then have a `PING` answered).
-    pub(super) fn refuse(&mut self, slot: usize, r: StoreRefusal, whole: bool) {
+    /// Refuses the connection's query (or ends its wait with a refusal):
+    /// a client that speaks the extension is told why.
+    pub(super) fn refuse(&mut self, slot: usize, r: StoreRefusal, how: Refusal) {
         self.refusals += 1;
         let Some(c) = self.conn(slot) else {
             return;
@@ -36,17 +50,23 @@ impl Loop {
             let mut v = vec![proto::STATUS_REFUSED];
             proto::write_refusal(&mut v, &r);
             self.push(slot, &v);
-            if let Some(c) = self.conn(slot) {
+            // A query read whole, or a wait, leaves the stream in step.
+            if how == Refusal::Frame
+                && let Some(c) = self.conn(slot)
+            {
                 c.close_after_flush = true;
             }
             self.flush(slot);
-        } else if whole {
-            if let Some(c) = self.conn(slot) {
-                c.stage = Stage::Refused;
-                c.accepted = Instant::now();
+            return;
+        }
+        match how {
+            Refusal::Whole { answer_ping: true } => {
+                if let Some(c) = self.conn(slot) {
+                    c.stage = Stage::Refused;
+                    c.accepted = Instant::now();
+                }
             }
-        } else {
-            self.close(slot);
+            _ => self.close(slot),
         }
     }
 
@@ -57,9 +77,9 @@ impl Loop {
         if ready && !keys.is_empty() {
             let (r, ended) = self.store.refuse_keys(r, keys);
             self.end_waits(ended);
-            self.refuse(slot, r, false);
+            self.refuse(slot, r, Refusal::Frame);
         } else {
-            self.refuse(slot, r, false);
+            self.refuse(slot, r, Refusal::Frame);
         }
     }
 
@@ -123,6 +143,16 @@ impl Loop {
                 v.extend_from_slice(&proto::EXT_VERSION.to_le_bytes());
                 (v, false)
             }
+            (Stage::Ready, Query::Refuse(key, refusal)) => {
+                let ext = self.conn(slot).is_some_and(|c| c.ext);
+                let Some(r) = proto::refusal_from_bytes(&refusal).filter(|_| ext) else {
+                    self.close(slot);
+                    return;
+                };
+                let (_, ended) = self.store.refuse_keys(r, [key]);
+                self.end_waits(ended);
+                (vec![proto::STATUS_OK], false)
+            }
             (Stage::Ready, q) => {
                 self.apply(slot, q);
                 return;
@@ -141,18 +171,21 @@ impl Loop {
 
     /// A query of a connection past its handshake.
     pub(super) fn apply(&mut self, slot: usize, q: Query) {
-        let bound = self.store.reply_bound(&q);
-        if self.mem.used.saturating_add(bound) > self.mem.cap {
-            let r = self.mem.refusal(format!("a reply of up to {bound} bytes"));
-            self.refuse(slot, r, true);
-            return;
-        }
         // A plain client learns of a refused set from the PING it sends
         // after it; a query with a reply is refused by closing.
-        let no_reply = matches!(
+        let answer_ping = matches!(
             q,
             Query::Set(..) | Query::Append(..) | Query::MultiSet(_) | Query::QueuePush(..)
         );
+        let bound = self.store.reply_bound(&q);
+        let pending = self.conn(slot).map_or(0, |c| c.pending_out());
+        // The status byte of the extension counts too.
+        let prepaid = pending + bound < PREPAID_OUT;
+        if !prepaid && self.mem.used.saturating_add(bound) > self.mem.cap {
+            let r = self.mem.refusal(format!("a reply of up to {bound} bytes"));
+            self.refuse(slot, r, Refusal::Whole { answer_ping });
+            return;
+        }
         let result = self.store.apply(slot, q, &self.limits, &mut self.mem);
         match result {
             Ok(out) => {
@@ -169,7 +202,7 @@ impl Loop {
             }
             Err((r, ended)) => {
                 self.end_waits(ended);
-                self.refuse(slot, r, no_reply);
+                self.refuse(slot, r, Refusal::Whole { answer_ping });
             }
         }
     }
@@ -187,7 +220,7 @@ impl Loop {
                 }
                 WaitEnd::Refused(r) => {
                     self.store.cancel(id, &mut self.mem);
-                    self.refuse(id, (*r).clone(), false);
+                    self.refuse(id, (*r).clone(), Refusal::Wait);
                 }
             }
         }

@@ -17,7 +17,7 @@ use mio::net::TcpStream;
 use super::super::frame::{self, Scan, Scanner};
 use super::super::limits::StoreRefusal;
 use super::super::proto;
-use super::{KEEP_CAPACITY, Loop, OUT_HIGH_WATER};
+use super::{KEEP_CAPACITY, Loop, OUT_HIGH_WATER, PREPAID_OUT};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Stage {
@@ -198,10 +198,11 @@ impl Loop {
             if let Err(r) = self.mem.take(grown, || {
                 format!("a partial query of {cap} bytes from {peer}")
             }) {
-                if let Some(c) = self.conn(slot) {
+                let keys = self.conn(slot).map_or_else(Vec::new, |c| {
                     c.tail_charged = charged;
-                }
-                self.refuse(slot, r, false);
+                    frame::keys_named(&c.tail)
+                });
+                self.refuse_set(slot, r, keys);
                 return false;
             }
             self.io_charged += grown;
@@ -221,10 +222,11 @@ impl Loop {
             c.out.clear();
             c.out_pos = 0;
         }
-        let before = c.out.capacity();
         c.out.extend_from_slice(bytes);
-        let grown = c.out.capacity().saturating_sub(before);
-        c.out_charged += grown;
+        // The first PREPAID_OUT bytes are paid by the connection's overhead.
+        let charged = c.out.capacity().saturating_sub(PREPAID_OUT);
+        let grown = charged.saturating_sub(c.out_charged);
+        c.out_charged = charged.max(c.out_charged);
         self.mem.used += grown;
         self.io_charged += grown;
     }

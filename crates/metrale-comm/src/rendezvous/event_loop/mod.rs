@@ -14,17 +14,19 @@
 //! Invariants:
 //! - Bytes are read into one scratch buffer; only the unfinished tail of a
 //!   query is kept per connection, charged to memory as its capacity
-//!   grows; replies are charged when queued and given back when written.
-//!   A connection costs [`CONN_OVERHEAD`] more. A reply's bound is checked
-//!   against memory before its query is applied.
+//!   grows; replies are charged when queued (past the [`PREPAID_OUT`]
+//!   bytes a connection's [`CONN_OVERHEAD`] pays for) and given back when
+//!   written. A reply's bound is checked against memory before its query
+//!   is applied.
 //! - A connection with more than [`OUT_HIGH_WATER`] bytes unwritten reads
 //!   no more queries until they drain, and one whose bytes cannot be
 //!   written for [`StoreLimits::write`] is closed.
 //! - Deadlines (handshake, query, idle, write, a refusal's last word) are
 //!   checked every [`TICK`]; `poll` never waits longer.
-//! - A refusal closes the connection (after the refusal, for a client of
-//!   ours; a plain client whose set was refused whole may still have a
-//!   `PING` answered with the nonce's complement, within a second).
+//! - A client of ours is told every refusal, and keeps its connection
+//!   unless the query was not read whole; a plain client's connection is
+//!   closed (one whose set was refused whole may still have a `PING`
+//!   answered with the nonce's complement, within a second).
 //! - At the cap, the oldest connection in its handshake for at least
 //!   [`HANDSHAKE_GRACE`] is closed for the new one; a connection past its
 //!   handshake is never evicted.
@@ -58,8 +60,12 @@ pub(super) const WAKER: Token = Token(1);
 const CONN_BASE: usize = 2;
 /// How often deadlines are checked.
 const TICK: Duration = Duration::from_millis(100);
-/// What a connection costs beyond its buffers.
+/// What a connection costs beyond its buffers; it covers its first
+/// [`PREPAID_OUT`] bytes of unwritten replies.
 const CONN_OVERHEAD: usize = 1024;
+/// Unwritten reply bytes a connection's overhead pays for: a small reply
+/// (a `PING`'s echo, a `WAIT`'s answer) is never refused for memory.
+pub(super) const PREPAID_OUT: usize = 256;
 /// The scratch buffer a read fills.
 const SCRATCH: usize = 64 << 10;
 /// Unwritten bytes past which a connection's queries wait.
@@ -173,6 +179,10 @@ impl Loop {
                         }));
                         if ok.is_err() {
                             tracing::error!("store connection handler panicked; closing it");
+                            // The scratch buffer may have been taken out.
+                            if self.scratch.len() != SCRATCH {
+                                self.scratch = vec![0u8; SCRATCH];
+                            }
                             self.close(slot);
                         }
                     }
