@@ -208,7 +208,8 @@ pub struct StoreLimits {
     /// values kept (+64 bytes a key), queued values (+32 bytes each),
     /// pending waits and their keys (+64 bytes a wait, +48 a key), partial
     /// queries, replies not yet written, refusals kept for later waiters,
-    /// and 1 KiB a connection.
+    /// and 1 KiB a connection (which pays for its first 256 bytes of
+    /// unwritten replies: a small reply is never refused).
     pub memory: usize,
 }
 

@@ -48,7 +48,9 @@
 //! with a status byte: [`STATUS_OK`] then the reply as above, or
 //! [`STATUS_REFUSED`] then a refusal ([`write_refusal`]: the limit's code,
 //! its value, the variable that raises it, the reason), after which the
-//! server closes the connection. A `WAIT` a refused set will never end
+//! connection stays open if the query was read whole (a refused set's
+//! `PING` is still answered) and is closed if it was not. A `WAIT` a
+//! refused set will never end
 //! gets that refusal in place of its `STOP_WAITING`; `METRALE_REFUSE` hands
 //! a refusal a client got to the waits on another key (rank 0 passing a
 //! rank's refused barrier key on to the ranks waiting for the barrier).
