@@ -8,6 +8,7 @@ mod gpu_box;
 mod gpu_test;
 mod probe;
 mod ptx;
+mod store_box;
 
 use std::path::{Path, PathBuf};
 
@@ -24,6 +25,8 @@ commands:
                       run it on this box's GPUs (--help)
   diagnose DIR        read the flight-recorder dumps of all ranks in DIR and
                       name the first operation the ranks disagree on
+  store-bundle DIR    build the rendezvous store's checks for a box with torch
+                      (client suite, store bench, torchrun on the emulator)
 ";
 
 fn main() {
@@ -50,6 +53,7 @@ fn run(args: &[String]) -> anyhow::Result<i32> {
         "gpu-test" => gpu_test::run(rest),
         "bench" => bench::run(rest),
         "diagnose" => diagnose::run(rest),
+        "store-bundle" => store_box::run(rest),
         "help" | "--help" | "-h" => {
             print!("{USAGE}");
             Ok(0)

@@ -4,7 +4,8 @@
 //! points (`comm-suite rank`, `comm-suite threads`).
 //!
 //! In torchrun mode the child is real `torchrun --no-python`, which starts
-//! `comm-suite rank` once per GPU; scenarios take the static, `--standalone`
+//! `comm-suite rank` once per GPU (once per emulated GPU, each rank on the
+//! emulator, with `--emulator`); scenarios take the static, `--standalone`
 //! and c10d rendezvous in turn. Each rank first builds an `NcclBackend`
 //! with `from_env` (the launcher's variables, the agent's store) and meets
 //! the others through a `TcpRendezvous` on that store, then runs the
@@ -335,13 +336,14 @@ fn node_env(cmd: &mut Command, mode: Mode, rank: usize, world: usize, emulator: 
 }
 
 /// torchrun in its own process group, running `comm-suite rank` on
-/// `world` GPUs with the rendezvous `rdzv`.
+/// `world` GPUs (emulated ones with `emulator`) with the rendezvous `rdzv`.
 fn spawn_torchrun(
     sc: &Scenario,
     world: usize,
     dir: &Path,
     torchrun: &Path,
     rdzv: &str,
+    emulator: bool,
 ) -> anyhow::Result<Child> {
     let port = free_port();
     let mut cmd = Command::new(torchrun);
@@ -363,8 +365,11 @@ fn spawn_torchrun(
         ]),
     };
     cmd.arg(std::env::current_exe()?)
-        .args(["rank", "--scenario", sc.name])
-        .env(DIR_ENV, dir)
+        .args(["rank", "--scenario", sc.name]);
+    if emulator {
+        cmd.arg("--emulator");
+    }
+    cmd.env(DIR_ENV, dir)
         .env("METRALE_COMM_DUMP_DIR", dir.join("dumps"))
         .env(TORCHRUN_ENV, rdzv)
         .process_group(0);
@@ -479,7 +484,7 @@ pub fn run_one(
             .torchrun
             .as_deref()
             .context("torchrun mode without torchrun")?;
-        let mut kid = spawn_torchrun(sc, world, &dir, torchrun, rdzv)?;
+        let mut kid = spawn_torchrun(sc, world, &dir, torchrun, rdzv, opts.emulator)?;
         let out = match wait_all(std::slice::from_mut(&mut kid), deadline) {
             Some(codes) => collect_torchrun(&dir, world, codes[0]),
             None => {

@@ -3,8 +3,10 @@
 //! interop`, `tests/fixtures/gpu_box.sh`).
 //!
 //! ```text
-//! tcpstore_tool serve [--bind ADDR] [--port P] [--token T] [--seconds N]
-//!     prints "listening PORT", then serves until stdin closes or N seconds pass
+//! tcpstore_tool serve [--bind ADDR] [--port P] [--token T] [--seconds N] [--world N]
+//!     prints "listening PORT", then serves until stdin closes or N seconds pass,
+//!     with the limits rank 0 would serve a world of N ranks with (default 1)
+//!     and the METRALE_STORE_* variables
 //! tcpstore_tool client HOST:PORT [--token T] [--timeout SECS] OP...
 //!     OP: set KEY VALUE | get KEY | add KEY N | check K1,K2 | wait K1,K2
 //!         | cas KEY EXPECTED DESIRED | multi_get K1,K2 | multi_set K1=V1,K2=V2
@@ -20,7 +22,7 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use metrale_comm::rendezvous::{StoreClient, StoreServer};
+use metrale_comm::rendezvous::{StoreClient, StoreLimits, StoreServer};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -63,6 +65,7 @@ fn run(args: &[String]) -> anyhow::Result<()> {
 
 fn serve(args: &[String]) -> anyhow::Result<()> {
     let (mut bind, mut port, mut token, mut seconds) = ("0.0.0.0".to_owned(), 0u16, None, None);
+    let mut world = 1usize;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut val = || it.next().ok_or_else(|| usage(format!("{a} needs a value")));
@@ -71,11 +74,12 @@ fn serve(args: &[String]) -> anyhow::Result<()> {
             "--port" => port = val()?.parse().context("--port")?,
             "--token" => token = Some(val()?.clone()),
             "--seconds" => seconds = Some(val()?.parse::<u64>().context("--seconds")?),
+            "--world" => world = val()?.parse().context("--world")?,
             other => return Err(usage(format!("unknown option {other}"))),
         }
     }
     let addr: SocketAddr = format!("{bind}:{port}").parse().context("--bind/--port")?;
-    let server = StoreServer::bind(addr, token)?;
+    let server = StoreServer::bind_with(addr, token, StoreLimits::from_env(world)?)?;
     println!("listening {}", server.local_addr().port());
     std::io::stdout().flush()?;
     let until = seconds.map(|s| Instant::now() + Duration::from_secs(s));

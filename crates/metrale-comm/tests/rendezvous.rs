@@ -249,6 +249,68 @@ fn token_is_required_when_configured() -> Result<()> {
     let c = StoreClient::connect(open.local_addr(), Some("any".to_owned()), T)?;
     c.set("k", b"v")?;
     assert_eq!(c.get("k", T)?, b"v");
+    // The extension with a token: the right one gets it, none is refused.
+    let ours = StoreClient::connect_ours(addr, Some("s3cret".to_owned()), T)?;
+    assert!(ours.speaks_extension());
+    assert_eq!(ours.get("ok", T)?, b"1");
+    assert!(matches!(
+        StoreClient::connect_ours(addr, None, T),
+        Err(RendezvousError::Unauthorized)
+    ));
+    Ok(())
+}
+
+/// A store that closes the connection at `METRALE_HELLO` (as PyTorch's
+/// does at any query it does not know), then answers plain `PING`s.
+fn store_without_the_extension() -> Result<(SocketAddr, std::thread::JoinHandle<Result<()>>)> {
+    let listener = TcpListener::bind(loopback0())?;
+    let addr = listener.local_addr()?;
+    let t = std::thread::spawn(move || -> Result<()> {
+        let (mut first, _) = listener.accept()?;
+        let mut hello = [0u8; 10];
+        first.read_exact(&mut hello)?;
+        ensure!(hello[..5] == VALIDATE && hello[5] == 0xA6, "{hello:02x?}");
+        drop(first);
+        let (mut s, _) = listener.accept()?;
+        s.set_read_timeout(Some(T))?;
+        let mut q = [0u8; 5];
+        s.read_exact(&mut q)?;
+        ensure!(q == VALIDATE, "{q:02x?}");
+        for _ in 0..2 {
+            s.read_exact(&mut q)?;
+            ensure!(q[0] == 13, "a PING, not {q:02x?}");
+            s.write_all(&q[1..])?;
+        }
+        Ok(())
+    });
+    Ok((addr, t))
+}
+
+#[test]
+fn a_store_without_the_extension_is_used_without_it() -> Result<()> {
+    let (addr, fake) = store_without_the_extension()?;
+    let c = StoreClient::connect_ours(addr, None, T)?;
+    assert!(!c.speaks_extension());
+    c.ping()?;
+    fake.join().expect("fake store")?;
+    // Against a store of ours it is spoken.
+    let server = StoreServer::bind(loopback0(), None)?;
+    let c = StoreClient::connect_ours(server.local_addr(), None, T)?;
+    assert!(c.speaks_extension());
+    c.set("k", b"v")?;
+    assert_eq!(c.multi_get(&["k"], T)?, vec![b"v".to_vec()]);
+    assert!(!c.check(&["absent"])?);
+    assert_eq!(c.compare_set("k", b"v", b"w")?, b"w");
+    assert_eq!(c.add("n", 2)?, 2);
+    assert!(c.delete_key("n")?);
+    assert_eq!(c.num_keys()?, 1);
+    assert!(matches!(
+        c.wait(&["late"], Duration::from_millis(100)),
+        Err(RendezvousError::Timeout { .. })
+    ));
+    c.queue_push("q", b"1")?;
+    assert_eq!(c.queue_pop("q", None)?, Some(b"1".to_vec()));
+    assert_eq!(c.list_keys()?, ["k"]);
     Ok(())
 }
 

@@ -231,8 +231,9 @@ fn idle_connections_never_lock_out_the_ranks() -> Result<()> {
     drop(ranks);
     settles(&server, 0)?;
 
-    // Past the connection limit: the oldest unvalidated (then idle)
-    // connections go, the ranks get in.
+    // Past the connection limit: connections still in their handshake
+    // after a second go, oldest first, and the ranks get in; a connection
+    // past its handshake is never evicted.
     let mut limits = StoreLimits::default();
     limits.max_connections = 64;
     let server = StoreServer::bind_with(loopback0(), None, limits)?;
@@ -240,11 +241,12 @@ fn idle_connections_never_lock_out_the_ranks() -> Result<()> {
     let mut idle = Vec::new();
     for i in 0..300 {
         let mut s = TcpStream::connect(addr)?;
-        if i % 3 == 0 {
+        if i % 8 == 0 {
             s.write_all(&VALIDATE)?;
         }
         idle.push(s);
     }
+    std::thread::sleep(Duration::from_millis(1100));
     let start = Instant::now();
     let ranks: Vec<StoreClient> = (0..4)
         .map(|_| StoreClient::connect(addr, None, T))
@@ -254,9 +256,9 @@ fn idle_connections_never_lock_out_the_ranks() -> Result<()> {
     }
     assert!(start.elapsed() < 2 * QUICK, "{:?}", start.elapsed());
     let stats = server.stats();
-    assert!(stats.evictions >= 236, "{stats:?}");
-    assert!(stats.connections <= 64 + 8, "{stats:?}");
-    // More idle connections: a rank that is evicted reconnects on its own.
+    assert!(stats.evictions >= 4, "{stats:?}");
+    assert!(stats.connections <= 64 + 64, "{stats:?}");
+    // More idle connections: the ranks keep their connections.
     for _ in 0..100 {
         idle.push(TcpStream::connect(addr)?);
     }
@@ -343,10 +345,12 @@ fn memory_stays_bounded() -> Result<()> {
     assert_eq!(server.stats().in_flight_bytes, 0);
     drop(held);
 
-    // Authenticated sets past the store's limit are refused, and say so.
+    // Authenticated sets past the store's memory are refused, and say so
+    // (a set holds its partial query and then its value: 2 MiB a set of
+    // 1 MiB while it is applied, besides the 512 KiB set aside for
+    // refusals).
     let mut limits = StoreLimits::default();
-    limits.store_bytes = 4 << 20;
-    limits.in_flight = 3 << 20;
+    limits.memory = 5 << 20;
     let server = StoreServer::bind_with(loopback0(), Some("s3cret".to_owned()), limits)?;
     let c = StoreClient::connect(server.local_addr(), Some("s3cret".to_owned()), T)?;
     let value = vec![1u8; 1 << 20];
@@ -364,8 +368,8 @@ fn memory_stays_bounded() -> Result<()> {
         "{refused:?}"
     );
     assert!(server.stats().store_bytes <= 4 << 20);
-    // Queries in flight share a budget: four half-sent 1 MiB values hold
-    // at most 3 MiB, the ones over it are closed.
+    // Queries in flight share the budget: of four half-sent 1 MiB values,
+    // those over it are closed.
     let mut partial = Vec::new();
     for i in 0..4 {
         let mut s = TcpStream::connect(server.local_addr())?;
@@ -391,5 +395,39 @@ fn memory_stays_bounded() -> Result<()> {
     assert!(rank_round(&c, 0)? < QUICK);
     drop(partial);
     settles(&server, 1)?;
+    Ok(())
+}
+
+#[test]
+fn a_client_that_reads_late_gets_every_reply() -> Result<()> {
+    // 64 GETs of a 1 MiB value sent at once, read only afterwards: the
+    // server stops taking queries while 1 MiB of replies waits, and
+    // serves the rest as the client reads.
+    let server = StoreServer::bind(loopback0(), None)?;
+    let addr = server.local_addr();
+    let c = StoreClient::connect(addr, None, T)?;
+    let value: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();
+    c.set("big", &value)?;
+    let mut q = VALIDATE.to_vec();
+    for _ in 0..64 {
+        q.push(3);
+        blob(&mut q, b"big");
+    }
+    let mut s = TcpStream::connect(addr)?;
+    s.write_all(&q)?;
+    std::thread::sleep(Duration::from_millis(300));
+    let held = server.stats().in_flight_bytes;
+    assert!(held < 8 << 20, "{held} bytes of replies held");
+    s.set_read_timeout(Some(T))?;
+    for i in 0..64 {
+        let mut len = [0u8; 8];
+        s.read_exact(&mut len)
+            .with_context(|| format!("reply {i}"))?;
+        assert_eq!(u64::from_le_bytes(len), 1 << 20);
+        let mut got = vec![0u8; 1 << 20];
+        s.read_exact(&mut got)?;
+        assert!(got == value, "reply {i} differs");
+    }
+    settles(&server, 2)?;
     Ok(())
 }

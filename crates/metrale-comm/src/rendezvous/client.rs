@@ -2,6 +2,7 @@
 //! and for a launcher's (torchrun's agent store is PyTorch's).
 //!
 //! A connection starts with `VALIDATE`, then (with a token) `METRALE_AUTH`,
+//! then (to a store of ours, [`StoreClient::connect_ours`]) `METRALE_HELLO`,
 //! then a `PING`; its echo proves the server is a TCPStore and alive.
 //!
 //! Invariants:
@@ -24,12 +25,22 @@
 //! - A store of ours with a token answers the `PING` of a client without
 //!   one with the nonce's complement: [`RendezvousError::Unauthorized`].
 //! - Replies are bounded (64 MiB a value) and allocated as they arrive.
+//! - On a connection that speaks the extension every reply starts with a
+//!   status byte; a refusal in its place is
+//!   [`RendezvousError::StoreRefused`], which names the limit, its value
+//!   and the variable that raises it; the connection stays in step (the
+//!   store closes it only after a query it could not read whole, found at
+//!   the next use). A store that closes the connection at
+//!   `METRALE_HELLO` does not speak the extension (a PyTorch store, or an
+//!   older one of ours): the client goes on without it, once.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use super::limits::StoreRefusal;
 use super::proto::{self, Query, WireError, query};
 use super::{RendezvousError, TOKEN_ENV};
 
@@ -57,9 +68,7 @@ enum Fail {
 fn wire(e: WireError) -> Fail {
     match e {
         WireError::Io(e) => Fail::Transport(e),
-        WireError::Malformed(m) | WireError::Refused(m) => {
-            Fail::Fatal(RendezvousError::Protocol(m))
-        }
+        WireError::Malformed(m) => Fail::Fatal(RendezvousError::Protocol(m)),
     }
 }
 
@@ -70,7 +79,18 @@ fn transport(e: std::io::Error) -> Fail {
 struct Live {
     stream: TcpStream,
     used: Instant,
+    /// The connection speaks the extension (status bytes, refusals).
+    ext: bool,
 }
+
+/// No answer to a `WAIT` by its deadline (never a byte the store sends).
+const TIMED_OUT: u8 = 0xFF;
+
+/// Whether to ask for the extension.
+const EXT_NO: u8 = 0;
+const EXT_TRY: u8 = 1;
+/// The store closed the connection at `METRALE_HELLO`: not again.
+const EXT_REFUSED: u8 = 2;
 
 /// A client of a c10d TCPStore. `Send + Sync`: requests are serialized by
 /// an internal lock (a wait holds it for its wait).
@@ -79,6 +99,7 @@ pub struct StoreClient {
     token: Option<String>,
     io_timeout: Duration,
     nonce: u32,
+    ext: AtomicU8,
     conn: Mutex<Option<Live>>,
 }
 
@@ -146,11 +167,34 @@ impl StoreClient {
         token: Option<String>,
         timeout: Duration,
     ) -> Result<StoreClient, RendezvousError> {
+        Self::connect_as(addr, token, timeout, EXT_NO)
+    }
+
+    /// As [`StoreClient::connect`], to a store this crate serves (rank 0's):
+    /// the connection speaks this crate's extension, so that a query the
+    /// store refuses at a limit is a [`RendezvousError::StoreRefused`]
+    /// naming it. A store that does not speak it (a PyTorch store) is used
+    /// without it.
+    pub fn connect_ours(
+        addr: SocketAddr,
+        token: Option<String>,
+        timeout: Duration,
+    ) -> Result<StoreClient, RendezvousError> {
+        Self::connect_as(addr, token, timeout, EXT_TRY)
+    }
+
+    fn connect_as(
+        addr: SocketAddr,
+        token: Option<String>,
+        timeout: Duration,
+        ext: u8,
+    ) -> Result<StoreClient, RendezvousError> {
         let client = StoreClient {
             addr,
             token: token.filter(|t| !t.is_empty()),
             io_timeout: DEFAULT_IO_TIMEOUT,
-            nonce: rand::random(),
+            nonce: nonce(),
+            ext: AtomicU8::new(ext),
             conn: Mutex::new(None),
         };
         let live = client.open(proto::after(timeout))?;
@@ -166,8 +210,44 @@ impl StoreClient {
             addr: self.addr,
             token: self.token.clone(),
             io_timeout: self.io_timeout,
-            nonce: rand::random(),
+            nonce: nonce(),
+            ext: AtomicU8::new(self.ext.load(Ordering::Acquire)),
             conn: Mutex::new(None),
+        }
+    }
+
+    /// Whether the client's connection speaks this crate's extension.
+    pub fn speaks_extension(&self) -> bool {
+        self.conn.lock().as_ref().is_some_and(|l| l.ext)
+    }
+
+    fn refused(&self, refusal: StoreRefusal) -> Fail {
+        Fail::Fatal(RendezvousError::StoreRefused {
+            addr: self.addr,
+            refusal,
+        })
+    }
+
+    /// Reads a reply's status byte (on a connection that speaks the
+    /// extension): a refusal in its place is the store's reason.
+    fn status(&self, live: &mut Live, deadline: Instant) -> Result<(), Fail> {
+        if !live.ext {
+            return Ok(());
+        }
+        match proto::read_u8_by(&mut live.stream, deadline) {
+            Ok(proto::STATUS_OK) => Ok(()),
+            Ok(proto::STATUS_REFUSED) => {
+                let r = proto::read_refusal(&mut live.stream, self.io_deadline()).map_err(wire)?;
+                // The store keeps a connection whose query it read whole.
+                Err(Fail::Clean(RendezvousError::StoreRefused {
+                    addr: self.addr,
+                    refusal: r,
+                }))
+            }
+            Ok(other) => Err(Fail::Fatal(RendezvousError::Protocol(format!(
+                "a reply's status byte is {other}"
+            )))),
+            Err(e) => Err(Fail::Transport(e)),
         }
     }
 
@@ -185,6 +265,11 @@ impl StoreClient {
                 Err(Fail::Fatal(e) | Fail::Clean(e)) => return Err(e),
                 Err(Fail::Transport(e)) => e,
             };
+            if err.kind() == std::io::ErrorKind::Unsupported {
+                tracing::debug!(addr = %self.addr, "the store does not speak this crate's extension; going on without it");
+                self.ext.store(EXT_REFUSED, Ordering::Release);
+                continue;
+            }
             if err.kind() == std::io::ErrorKind::ConnectionAborted {
                 auth_closed += 1;
                 if auth_closed >= AUTH_CLOSED_TRIES {
@@ -235,12 +320,24 @@ impl StoreClient {
                     .bytes(),
             );
         }
+        let hello = self.ext.load(Ordering::Acquire) == EXT_TRY;
+        if hello {
+            q.extend_from_slice(
+                Query::new(query::METRALE_HELLO)
+                    .u32(proto::EXT_VERSION)
+                    .bytes(),
+            );
+        }
         q.extend_from_slice(Query::new(query::PING).u32(self.nonce).bytes());
         proto::send(&mut stream, &q).map_err(transport)?;
         if self.token.is_some() {
             match proto::read_u8_by(&mut stream, shake) {
                 Ok(proto::AUTH_OK) => {}
                 Ok(proto::AUTH_REFUSED) => return Err(Fail::Fatal(RendezvousError::Unauthorized)),
+                Ok(proto::AUTH_LIMIT) => {
+                    let r = proto::read_refusal(&mut stream, shake).map_err(wire)?;
+                    return Err(self.refused(r));
+                }
                 Ok(other) => {
                     return Err(Fail::Fatal(RendezvousError::Protocol(format!(
                         "METRALE_AUTH answered {other}"
@@ -255,7 +352,37 @@ impl StoreClient {
                 }
             }
         }
-        let echo = proto::read_u32_by(&mut stream, shake).map_err(transport)?;
+        let mut live = Live {
+            stream,
+            used: Instant::now(),
+            ext: false,
+        };
+        if hello {
+            match proto::read_u8_by(&mut live.stream, shake) {
+                Ok(proto::STATUS_OK) => {
+                    proto::read_u32_by(&mut live.stream, shake).map_err(transport)?;
+                    live.ext = true;
+                }
+                Ok(proto::STATUS_REFUSED) => {
+                    let r = proto::read_refusal(&mut live.stream, shake).map_err(wire)?;
+                    return Err(self.refused(r));
+                }
+                Ok(other) => {
+                    return Err(Fail::Fatal(RendezvousError::Protocol(format!(
+                        "METRALE_HELLO answered {other}"
+                    ))));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::TimedOut => return Err(transport(e)),
+                Err(e) => {
+                    return Err(Fail::Transport(std::io::Error::new(
+                        std::io::ErrorKind::Unsupported,
+                        format!("closed at METRALE_HELLO: {e}"),
+                    )));
+                }
+            }
+        }
+        self.status(&mut live, shake)?;
+        let echo = proto::read_u32_by(&mut live.stream, shake).map_err(transport)?;
         if self.token.is_none() && echo == !self.nonce {
             // A store of ours with a token says so this way.
             return Err(Fail::Fatal(RendezvousError::Unauthorized));
@@ -265,10 +392,8 @@ impl StoreClient {
                 "PING answered {echo:#x}, not this client's nonce: the peer is not a c10d TCPStore"
             ))));
         }
-        Ok(Live {
-            stream,
-            used: Instant::now(),
-        })
+        live.used = Instant::now();
+        Ok(live)
     }
 
     /// Runs `op` on a live connection by `deadline`, reconnecting (and,
@@ -278,7 +403,7 @@ impl StoreClient {
         what: &str,
         deadline: Instant,
         retry: bool,
-        mut op: impl FnMut(&mut TcpStream, Instant) -> Result<T, Fail>,
+        mut op: impl FnMut(&mut Live, Instant) -> Result<T, Fail>,
     ) -> Result<T, RendezvousError> {
         let mut guard = self.conn.lock();
         let mut pause = Duration::from_millis(10);
@@ -296,13 +421,20 @@ impl StoreClient {
             if !retry {
                 // A query sent only once goes on a connection just proven
                 // alive: the store may have closed an idle one.
-                if let Err(e) = self.ping_on(&mut live.stream) {
-                    tracing::debug!(error = %e, what, "store connection gone; reconnecting");
-                    *guard = None;
-                    continue;
+                match self.ping_on(live) {
+                    Ok(()) => {}
+                    Err(Fail::Transport(e)) => {
+                        tracing::debug!(error = %e, what, "store connection gone; reconnecting");
+                        *guard = None;
+                        continue;
+                    }
+                    Err(Fail::Fatal(e) | Fail::Clean(e)) => {
+                        *guard = None;
+                        return Err(e);
+                    }
                 }
             }
-            match op(&mut live.stream, deadline) {
+            match op(live, deadline) {
                 Ok(v) => {
                     live.used = Instant::now();
                     return Ok(v);
@@ -330,16 +462,20 @@ impl StoreClient {
         }
     }
 
-    fn ping_on(&self, stream: &mut TcpStream) -> std::io::Result<()> {
-        proto::send(stream, Query::new(query::PING).u32(self.nonce).bytes())?;
-        let echo = proto::read_u32_by(stream, self.io_deadline())?;
+    fn ping_on(&self, live: &mut Live) -> Result<(), Fail> {
+        proto::send(
+            &mut live.stream,
+            Query::new(query::PING).u32(self.nonce).bytes(),
+        )
+        .map_err(transport)?;
+        self.status(live, self.io_deadline())?;
+        let echo = proto::read_u32_by(&mut live.stream, self.io_deadline()).map_err(transport)?;
         if echo == self.nonce {
             Ok(())
         } else {
-            Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                format!("PING answered {echo:#x}"),
-            ))
+            Err(Fail::Fatal(RendezvousError::Protocol(format!(
+                "PING answered {echo:#x}"
+            ))))
         }
     }
 
@@ -348,11 +484,27 @@ impl StoreClient {
     }
 
     /// Sends `q` and a `PING`; the echo proves the store applied `q`.
-    fn send_confirmed(&self, stream: &mut TcpStream, q: Query) -> Result<(), Fail> {
+    fn send_confirmed(&self, live: &mut Live, q: &Query) -> Result<(), Fail> {
         let mut bytes = q.bytes().to_vec();
         bytes.extend_from_slice(Query::new(query::PING).u32(self.nonce).bytes());
-        proto::send(stream, &bytes).map_err(transport)?;
-        let echo = proto::read_u32_by(stream, self.io_deadline()).map_err(transport)?;
+        proto::send(&mut live.stream, &bytes).map_err(transport)?;
+        if let Err(refused) = self.status(live, self.io_deadline()) {
+            // A refused set has no reply of its own: its refusal comes in
+            // place of the PING's, which still follows on a connection
+            // the store keeps.
+            let Fail::Clean(e) = refused else {
+                return Err(refused);
+            };
+            let in_step = self.status(live, self.io_deadline()).is_ok()
+                && proto::read_u32_by(&mut live.stream, self.io_deadline())
+                    .is_ok_and(|echo| echo == self.nonce);
+            return Err(if in_step {
+                Fail::Clean(e)
+            } else {
+                Fail::Fatal(e)
+            });
+        }
+        let echo = proto::read_u32_by(&mut live.stream, self.io_deadline()).map_err(transport)?;
         if echo == !self.nonce {
             return Err(Fail::Fatal(RendezvousError::Protocol(format!(
                 "the store at {} refused the query: it is full or the value is over its \
@@ -368,87 +520,119 @@ impl StoreClient {
         Ok(())
     }
 
-    fn read_value(&self, stream: &mut TcpStream) -> Result<Vec<u8>, Fail> {
+    /// Sends `q` and reads its reply's status byte.
+    fn ask(&self, live: &mut Live, q: &Query) -> Result<(), Fail> {
+        proto::send(&mut live.stream, q.bytes()).map_err(transport)?;
+        self.status(live, self.io_deadline())
+    }
+
+    fn read_value(&self, live: &mut Live) -> Result<Vec<u8>, Fail> {
         let deadline = self.io_deadline();
-        let len = proto::read_len_by(stream, deadline, MAX_REPLY_VALUE, "value").map_err(wire)?;
-        proto::read_blob_by(stream, deadline, len, |_| Ok(())).map_err(wire)
+        let len = proto::read_len_by(&mut live.stream, deadline, MAX_REPLY_VALUE, "value")
+            .map_err(wire)?;
+        proto::read_blob_by(&mut live.stream, deadline, len, |_| Ok(())).map_err(wire)
+    }
+
+    fn read_i64(&self, live: &mut Live) -> Result<i64, Fail> {
+        let v = proto::read_u64_by(&mut live.stream, self.io_deadline()).map_err(transport)?;
+        Ok(v as i64)
     }
 
     /// Waits on `keys` until `deadline` on one connection (see the module
     /// docs for the cancel).
     fn wait_on(
         &self,
-        stream: &mut TcpStream,
+        live: &mut Live,
         keys: &[&str],
         deadline: Instant,
         timeout: Duration,
     ) -> Result<(), Fail> {
-        proto::send(stream, Query::new(query::WAIT).keys(keys).bytes()).map_err(transport)?;
-        match proto::read_u8_by(stream, deadline) {
-            Ok(proto::STOP_WAITING) => return Ok(()),
-            Ok(other) => {
+        proto::send(&mut live.stream, Query::new(query::WAIT).keys(keys).bytes())
+            .map_err(transport)?;
+        // The status byte (when the connection has one) and the answer
+        // arrive together, whenever the wait ends.
+        let first = proto::read_u8_by(&mut live.stream, deadline);
+        let answer = match (live.ext, first) {
+            (true, Ok(proto::STATUS_OK)) => {
+                proto::read_u8_by(&mut live.stream, self.io_deadline()).map_err(transport)?
+            }
+            (true, Ok(proto::STATUS_REFUSED)) => {
+                let r = proto::read_refusal(&mut live.stream, self.io_deadline()).map_err(wire)?;
+                return Err(Fail::Clean(RendezvousError::StoreRefused {
+                    addr: self.addr,
+                    refusal: r,
+                }));
+            }
+            (_, Ok(b)) => b,
+            (_, Err(e)) if e.kind() == std::io::ErrorKind::TimedOut => TIMED_OUT,
+            (_, Err(e)) => return Err(transport(e)),
+        };
+        match answer {
+            proto::STOP_WAITING => return Ok(()),
+            TIMED_OUT => {}
+            other => {
                 return Err(Fail::Fatal(RendezvousError::Protocol(format!(
                     "WAIT answered {other}"
                 ))));
             }
-            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {}
-            Err(e) => return Err(transport(e)),
         }
         let timed_out = || RendezvousError::Timeout {
             key: keys.join(", "),
             after: timeout,
         };
-        let io = self.io_deadline();
-        let settled = proto::send(stream, Query::new(query::CANCEL_WAIT).bytes())
-            .and_then(|()| proto::read_u8_by(stream, io))
-            .and_then(|first| match first {
-                proto::WAIT_CANCELED => Ok(false),
-                proto::STOP_WAITING => proto::read_u8_by(stream, io).map(|_| true),
-                other => Err(std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    format!("CANCEL_WAIT answered {other}"),
-                )),
-            });
-        match settled {
-            Ok(true) => Ok(()),
-            Ok(false) => Err(Fail::Clean(timed_out())),
-            Err(_) => Err(Fail::Fatal(timed_out())),
+        proto::send(&mut live.stream, Query::new(query::CANCEL_WAIT).bytes())
+            .map_err(|_| Fail::Fatal(timed_out()))?;
+        // Either WAIT_CANCELED, or a STOP_WAITING that crossed the cancel
+        // and then WAIT_CANCELED.
+        let read_answer = |live: &mut Live| -> Result<u8, Fail> {
+            self.status(live, self.io_deadline())?;
+            proto::read_u8_by(&mut live.stream, self.io_deadline())
+                .map_err(|_| Fail::Fatal(timed_out()))
+        };
+        match read_answer(live)? {
+            proto::WAIT_CANCELED => Err(Fail::Clean(timed_out())),
+            proto::STOP_WAITING => {
+                read_answer(live)?;
+                Ok(())
+            }
+            other => Err(Fail::Fatal(RendezvousError::Protocol(format!(
+                "CANCEL_WAIT answered {other}"
+            )))),
         }
     }
 
     /// Sets `key` to `value`, waking every wait on it.
     pub fn set(&self, key: &str, value: &[u8]) -> Result<(), RendezvousError> {
         let q = Query::new(query::SET).blob(key.as_bytes()).blob(value);
-        self.call("set", self.io_deadline(), true, |s, _| {
-            self.send_confirmed(s, q.clone())
+        self.call("set", self.io_deadline(), true, |live, _| {
+            self.send_confirmed(live, &q)
         })
     }
 
     /// The value of `key`, waiting up to `timeout` for it to be set.
     pub fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, RendezvousError> {
         let deadline = proto::after(timeout);
-        self.call("get", deadline, true, |s, deadline| {
-            self.wait_on(s, &[key], deadline, timeout)?;
-            proto::send(s, Query::new(query::GET).blob(key.as_bytes()).bytes())
-                .map_err(transport)?;
-            self.read_value(s)
+        self.call("get", deadline, true, |live, deadline| {
+            self.wait_on(live, &[key], deadline, timeout)?;
+            self.ask(live, &Query::new(query::GET).blob(key.as_bytes()))?;
+            self.read_value(live)
         })
     }
 
     /// Waits up to `timeout` until every key of `keys` exists.
     pub fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), RendezvousError> {
         let deadline = proto::after(timeout);
-        self.call("wait", deadline, true, |s, deadline| {
-            self.wait_on(s, keys, deadline, timeout)
+        self.call("wait", deadline, true, |live, deadline| {
+            self.wait_on(live, keys, deadline, timeout)
         })
     }
 
-    /// Whether every key of `keys` exists now.
+    /// Whether every key of `keys` exists now (a non-empty queue counts).
     pub fn check(&self, keys: &[&str]) -> Result<bool, RendezvousError> {
         let q = Query::new(query::CHECK).keys(keys);
-        self.call("check", self.io_deadline(), true, |s, _| {
-            proto::send(s, q.bytes()).map_err(transport)?;
-            match proto::read_u8_by(s, self.io_deadline()).map_err(transport)? {
+        self.call("check", self.io_deadline(), true, |live, _| {
+            self.ask(live, &q)?;
+            match proto::read_u8_by(&mut live.stream, self.io_deadline()).map_err(transport)? {
                 proto::CHECK_READY => Ok(true),
                 proto::CHECK_NOT_READY => Ok(false),
                 other => Err(Fail::Fatal(RendezvousError::Protocol(format!(
@@ -460,13 +644,13 @@ impl StoreClient {
 
     /// Adds `delta` to the counter `key` (absent counts as 0) and returns
     /// the new value; atomic across clients. Not sent again after a
-    /// connection loss.
+    /// connection loss. A store of ours refuses an `ADD` that would
+    /// overflow (PyTorch's wraps).
     pub fn add(&self, key: &str, delta: i64) -> Result<i64, RendezvousError> {
         let q = Query::new(query::ADD).blob(key.as_bytes()).i64(delta);
-        self.call("add", self.io_deadline(), false, |s, _| {
-            proto::send(s, q.bytes()).map_err(transport)?;
-            let v = proto::read_u64_by(s, self.io_deadline()).map_err(transport)?;
-            Ok(v as i64)
+        self.call("add", self.io_deadline(), false, |live, _| {
+            self.ask(live, &q)?;
+            self.read_i64(live)
         })
     }
 
@@ -484,9 +668,9 @@ impl StoreClient {
             .blob(key.as_bytes())
             .blob(expected)
             .blob(desired);
-        self.call("compare_set", self.io_deadline(), true, |s, _| {
-            proto::send(s, q.bytes()).map_err(transport)?;
-            self.read_value(s)
+        self.call("compare_set", self.io_deadline(), true, |live, _| {
+            self.ask(live, &q)?;
+            self.read_value(live)
         })
     }
 
@@ -497,21 +681,21 @@ impl StoreClient {
         timeout: Duration,
     ) -> Result<Vec<Vec<u8>>, RendezvousError> {
         let deadline = proto::after(timeout);
-        self.call("multi_get", deadline, true, |s, deadline| {
-            self.wait_on(s, keys, deadline, timeout)?;
-            proto::send(s, Query::new(query::MULTI_GET).keys(keys).bytes()).map_err(transport)?;
-            keys.iter().map(|_| self.read_value(s)).collect()
+        self.call("multi_get", deadline, true, |live, deadline| {
+            self.wait_on(live, keys, deadline, timeout)?;
+            self.ask(live, &Query::new(query::MULTI_GET).keys(keys))?;
+            keys.iter().map(|_| self.read_value(live)).collect()
         })
     }
 
-    /// Sets every `(key, value)` pair.
+    /// Sets every `(key, value)` pair, or (refused) none.
     pub fn multi_set(&self, pairs: &[(&str, &[u8])]) -> Result<(), RendezvousError> {
         let mut q = Query::new(query::MULTI_SET).u64(pairs.len() as u64);
         for (k, v) in pairs {
             q = q.blob(k.as_bytes()).blob(v);
         }
-        self.call("multi_set", self.io_deadline(), true, |s, _| {
-            self.send_confirmed(s, q.clone())
+        self.call("multi_set", self.io_deadline(), true, |live, _| {
+            self.send_confirmed(live, &q)
         })
     }
 
@@ -519,8 +703,8 @@ impl StoreClient {
     /// connection loss.
     pub fn append(&self, key: &str, value: &[u8]) -> Result<(), RendezvousError> {
         let q = Query::new(query::APPEND).blob(key.as_bytes()).blob(value);
-        self.call("append", self.io_deadline(), false, |s, _| {
-            self.send_confirmed(s, q.clone())
+        self.call("append", self.io_deadline(), false, |live, _| {
+            self.send_confirmed(live, &q)
         })
     }
 
@@ -528,29 +712,106 @@ impl StoreClient {
     /// connection loss.
     pub fn delete_key(&self, key: &str) -> Result<bool, RendezvousError> {
         let q = Query::new(query::DELETE_KEY).blob(key.as_bytes());
-        self.call("delete_key", self.io_deadline(), false, |s, _| {
-            proto::send(s, q.bytes()).map_err(transport)?;
-            Ok(proto::read_u64_by(s, self.io_deadline()).map_err(transport)? == 1)
+        self.call("delete_key", self.io_deadline(), false, |live, _| {
+            self.ask(live, &q)?;
+            Ok(self.read_i64(live)? == 1)
         })
     }
 
-    /// The number of keys the store holds.
+    /// The number of keys the store holds (queues not counted).
     pub fn num_keys(&self) -> Result<i64, RendezvousError> {
-        self.call("num_keys", self.io_deadline(), true, |s, _| {
-            proto::send(s, Query::new(query::GETNUMKEYS).bytes()).map_err(transport)?;
-            Ok(proto::read_u64_by(s, self.io_deadline()).map_err(transport)? as i64)
+        self.call("num_keys", self.io_deadline(), true, |live, _| {
+            self.ask(live, &Query::new(query::GETNUMKEYS))?;
+            self.read_i64(live)
+        })
+    }
+
+    /// Every key the store holds (queues not listed), as PyTorch's
+    /// `LIST_KEYS` answers (`/`-prefixed where PyTorch's Python client set
+    /// them).
+    pub fn list_keys(&self) -> Result<Vec<String>, RendezvousError> {
+        self.call("list_keys", self.io_deadline(), true, |live, _| {
+            self.ask(live, &Query::new(query::LIST_KEYS))?;
+            let n = self.read_i64(live)?;
+            let n = usize::try_from(n).map_err(|_| {
+                Fail::Fatal(RendezvousError::Protocol(format!(
+                    "LIST_KEYS answered {n} keys"
+                )))
+            })?;
+            (0..n)
+                .map(|_| Ok(String::from_utf8_lossy(&self.read_value(live)?).into_owned()))
+                .collect()
+        })
+    }
+
+    /// Appends `value` to the queue `key`, ending one wait on it. Not sent
+    /// again after a connection loss.
+    pub fn queue_push(&self, key: &str, value: &[u8]) -> Result<(), RendezvousError> {
+        let q = Query::new(query::QUEUE_PUSH)
+            .blob(key.as_bytes())
+            .blob(value);
+        self.call("queue_push", self.io_deadline(), false, |live, _| {
+            self.send_confirmed(live, &q)
+        })
+    }
+
+    /// Takes the first value of the queue `key`: with `wait`, waits up to
+    /// that long for one (a [`RendezvousError::Timeout`] after it);
+    /// without, `None` when the queue is empty. Not sent again after a
+    /// connection loss.
+    pub fn queue_pop(
+        &self,
+        key: &str,
+        wait: Option<Duration>,
+    ) -> Result<Option<Vec<u8>>, RendezvousError> {
+        if let Some(timeout) = wait {
+            self.wait(&[key], timeout)?;
+        }
+        let q = Query::new(query::QUEUE_POP).blob(key.as_bytes());
+        self.call("queue_pop", self.io_deadline(), false, |live, _| {
+            self.ask(live, &q)?;
+            if self.read_i64(live)? > 0 {
+                Ok(Some(self.read_value(live)?))
+            } else {
+                Ok(None)
+            }
+        })
+    }
+
+    /// The length of the queue `key` (0 when it has none).
+    pub fn queue_len(&self, key: &str) -> Result<i64, RendezvousError> {
+        let q = Query::new(query::QUEUE_LEN).blob(key.as_bytes());
+        self.call("queue_len", self.io_deadline(), true, |live, _| {
+            self.ask(live, &q)?;
+            self.read_i64(live)
+        })
+    }
+
+    /// Ends every wait on `key` with `refusal` (which this client got),
+    /// where the store speaks this crate's extension; elsewhere nothing.
+    pub(crate) fn pass_refusal(
+        &self,
+        key: &str,
+        refusal: &StoreRefusal,
+    ) -> Result<(), RendezvousError> {
+        let q = Query::new(query::METRALE_REFUSE)
+            .blob(key.as_bytes())
+            .blob(&proto::refusal_bytes(refusal));
+        self.call("pass_refusal", self.io_deadline(), true, |live, _| {
+            if live.ext { self.ask(live, &q) } else { Ok(()) }
         })
     }
 
     /// A round trip to the store.
     pub fn ping(&self) -> Result<(), RendezvousError> {
-        self.call("ping", self.io_deadline(), true, |s, _| {
-            self.ping_on(s).map_err(|e| match e.kind() {
-                std::io::ErrorKind::InvalidData => {
-                    Fail::Fatal(RendezvousError::Protocol(e.to_string()))
-                }
-                _ => Fail::Transport(e),
-            })
+        self.call("ping", self.io_deadline(), true, |live, _| {
+            self.ping_on(live)
         })
     }
+}
+
+/// A nonce whose complement never looks like a reply's small length or a
+/// status byte followed by the nonce.
+fn nonce() -> u32 {
+    rand::random::<u32>() | 1
 }

@@ -18,9 +18,12 @@
 //! caller-given timeout.
 
 mod client;
+mod event_loop;
 mod file;
 mod fixed;
+mod frame;
 mod launcher;
+mod limits;
 pub mod nodelist;
 mod proto;
 mod queries;
@@ -35,7 +38,8 @@ pub use client::{DEFAULT_IO_TIMEOUT, StoreClient};
 pub use file::FileRendezvous;
 pub use fixed::FixedIdRendezvous;
 pub use launcher::{DEFAULT_PORT, DEVICE_ENV, Launch, LaunchError, Launcher, StoreRole};
-pub use server::{DEFAULT_IDLE_LIMIT, StoreLimits, StoreServer, StoreStats};
+pub use limits::{StoreLimit, StoreLimits, StoreRefusal};
+pub use server::{DEFAULT_IDLE_LIMIT, StoreServer, StoreStats};
 pub use tcp::TcpRendezvous;
 
 /// The length of an NCCL unique id.
@@ -105,6 +109,16 @@ pub enum RendezvousError {
     /// The launcher's variables are missing or contradictory.
     #[error(transparent)]
     Launch(#[from] LaunchError),
+    /// A store of ours refused a query or this client's connection, at one
+    /// of its limits ([`StoreRefusal::limit`]) or for another reason
+    /// (an `ADD` that would overflow, say).
+    #[error("the store at {addr} refused: {refusal}")]
+    StoreRefused {
+        /// The store's address.
+        addr: SocketAddr,
+        /// What the store said.
+        refusal: StoreRefusal,
+    },
 }
 
 /// What to do about a taken store port, in general.
@@ -521,11 +535,14 @@ pub fn rendezvous_from_url(
             let (rank, world_size) = rank_world_or_env(rank, world_size)?;
             let addr = resolve(&host, port)?;
             // Rank 0 serves on every address of the host's family, as env:// does.
-            let serve = (rank == 0).then(|| launcher::bind_addr(addr));
+            let serving = tcp::Serving::Rank0 {
+                bind: (rank == 0).then(|| launcher::bind_addr(addr)),
+                limits: None,
+            };
             Ok(Box::new(TcpRendezvous::build(
                 rank,
                 world_size,
-                serve,
+                serving,
                 addr,
                 token_from_env(),
                 "metrale/",

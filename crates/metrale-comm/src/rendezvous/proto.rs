@@ -26,13 +26,34 @@
 //! | `MULTI_SET` (11) | `u64` count, (key, value) per pair | none |
 //! | `CANCEL_WAIT` (12) | | `u8` 1 (`WAIT_CANCELED`), after a `STOP_WAITING` still owed |
 //! | `PING` (13) | `u32` nonce | `u32` the nonce |
-//! | [`query::METRALE_AUTH`] (0xA5, ours) | token | `u8`: 0 accepted, 1 refused |
+//! | `QUEUE_PUSH` (14) | key, value | none |
+//! | `QUEUE_POP` (15) | key | `i64` queue length before, then the value when it was not 0 |
+//! | `QUEUE_LEN` (16) | key | `i64` |
+//! | `LIST_KEYS` (17) | | `i64` count, then each key |
+//! | `BARRIER` (18) | key, `i64` world size | `u8` 0 (`STOP_WAITING`) once the key's count reaches the world size |
+//! | [`query::METRALE_AUTH`] (0xA5, ours) | token | `u8`: 0 accepted, 1 refused, 2 a refusal follows |
+//! | [`query::METRALE_HELLO`] (0xA6, ours) | `u32` version | status, `u32` version |
+//! | [`query::METRALE_REFUSE`] (0xA7, ours, after `METRALE_HELLO`) | key, a refusal as a value | status |
 //!
 //! `WAIT` has no timeout on the wire: the client waits as long as it likes
-//! and then sends `CANCEL_WAIT`. A server answers nothing it cannot parse:
-//! it closes the connection. `METRALE_AUTH` is this crate's only extension,
-//! sent only to a store of ours configured with a token; a PyTorch server
-//! closes the connection on it.
+//! and then sends `CANCEL_WAIT`. A `WAIT` is also ended by a `QUEUE_PUSH` to
+//! the key (one waiter a push), and a `CHECK` counts a non-empty queue as
+//! present, as PyTorch's libuv server does. The protocol has no error
+//! reply: PyTorch's server closes the connection on what it cannot parse or
+//! apply, and so does ours.
+//!
+//! This crate's extension, sent only to a store of ours: `METRALE_AUTH`
+//! (the token) and `METRALE_HELLO`; a PyTorch server closes the connection
+//! on either. After `METRALE_HELLO` every reply on that connection starts
+//! with a status byte: [`STATUS_OK`] then the reply as above, or
+//! [`STATUS_REFUSED`] then a refusal ([`write_refusal`]: the limit's code,
+//! its value, the variable that raises it, the reason), after which the
+//! connection stays open if the query was read whole (a refused set's
+//! `PING` is still answered) and is closed if it was not. A `WAIT` a
+//! refused set will never end
+//! gets that refusal in place of its `STOP_WAITING`; `METRALE_REFUSE` hands
+//! a refusal a client got to the waits on another key (rank 0 passing a
+//! rank's refused barrier key on to the ranks waiting for the barrier).
 //!
 //! Invariants: every length is checked against a caller-given bound before
 //! anything is allocated for it, and a value is allocated as its bytes
@@ -43,6 +64,8 @@
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
+
+use super::limits::{StoreLimit, StoreRefusal};
 
 /// The magic number of `VALIDATE`, PyTorch's `validationMagicNumber`.
 pub(crate) const VALIDATION_MAGIC: u32 = 0x3C85_F7CE;
@@ -64,11 +87,20 @@ pub(crate) mod query {
     pub const MULTI_SET: u8 = 11;
     pub const CANCEL_WAIT: u8 = 12;
     pub const PING: u8 = 13;
+    pub const QUEUE_PUSH: u8 = 14;
+    pub const QUEUE_POP: u8 = 15;
+    pub const QUEUE_LEN: u8 = 16;
+    pub const LIST_KEYS: u8 = 17;
+    pub const BARRIER: u8 = 18;
     /// This crate's extension: the `METRALE_STORE_TOKEN` proof, the first
     /// query after `VALIDATE` on a store of ours that has a token. Far
-    /// from PyTorch's numbers, which end at 16 (the queue queries of newer
-    /// versions).
+    /// from PyTorch's numbers, which end at 18 (`BARRIER`).
     pub const METRALE_AUTH: u8 = 0xA5;
+    /// This crate's extension: a client of ours asks for status bytes and
+    /// refusals (the module docs).
+    pub const METRALE_HELLO: u8 = 0xA6;
+    /// This crate's extension: ends every wait on a key with a refusal.
+    pub const METRALE_REFUSE: u8 = 0xA7;
 }
 
 /// `CHECK`'s replies.
@@ -80,6 +112,16 @@ pub(crate) const WAIT_CANCELED: u8 = 1;
 /// `METRALE_AUTH`'s replies.
 pub(crate) const AUTH_OK: u8 = 0;
 pub(crate) const AUTH_REFUSED: u8 = 1;
+/// `METRALE_AUTH`'s reply when the store refuses the connection at a limit:
+/// a refusal follows.
+pub(crate) const AUTH_LIMIT: u8 = 2;
+/// The status bytes of the extension.
+pub(crate) const STATUS_OK: u8 = 0;
+pub(crate) const STATUS_REFUSED: u8 = 1;
+/// The extension's version, sent with `METRALE_HELLO`.
+pub(crate) const EXT_VERSION: u32 = 1;
+/// The longest variable name and reason a client reads in a refusal.
+const MAX_REFUSAL_TEXT: usize = 4096;
 
 /// The longest token accepted.
 pub(crate) const MAX_TOKEN: usize = 1024;
@@ -92,8 +134,6 @@ pub(crate) enum WireError {
     Io(std::io::Error),
     /// The bytes break the protocol or a bound.
     Malformed(String),
-    /// A query read whole that the store will not apply (it is full, say).
-    Refused(String),
 }
 
 impl From<std::io::Error> for WireError {
@@ -106,7 +146,7 @@ impl std::fmt::Display for WireError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             WireError::Io(e) => write!(f, "i/o: {e}"),
-            WireError::Malformed(m) | WireError::Refused(m) => f.write_str(m),
+            WireError::Malformed(m) => f.write_str(m),
         }
     }
 }
@@ -265,6 +305,68 @@ pub(crate) fn read_blob_by(
 pub(crate) fn send(stream: &mut TcpStream, bytes: &[u8]) -> std::io::Result<()> {
     stream.write_all(bytes)?;
     stream.flush()
+}
+
+/// Appends a refusal (after its [`STATUS_REFUSED`] or [`AUTH_LIMIT`] byte):
+/// the limit's code, its value, the variable, the reason.
+pub(crate) fn write_refusal(out: &mut Vec<u8>, r: &StoreRefusal) {
+    out.push(r.limit.code());
+    out.extend_from_slice(&r.value.to_le_bytes());
+    for text in [&r.variable, &r.detail] {
+        let bytes = &text.as_bytes()[..text.len().min(MAX_REFUSAL_TEXT)];
+        out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+        out.extend_from_slice(bytes);
+    }
+}
+
+/// A refusal as the value of `METRALE_REFUSE`.
+pub(crate) fn refusal_bytes(r: &StoreRefusal) -> Vec<u8> {
+    let mut v = Vec::new();
+    write_refusal(&mut v, r);
+    v
+}
+
+/// The refusal in `bytes` (as [`refusal_bytes`] wrote it), if it is one.
+pub(crate) fn refusal_from_bytes(bytes: &[u8]) -> Option<StoreRefusal> {
+    let (&code, rest) = bytes.split_first()?;
+    let value = u64::from_le_bytes(rest.get(..8)?.try_into().ok()?);
+    let mut rest = &rest[8..];
+    let mut text = || -> Option<String> {
+        let len = usize::try_from(u64::from_le_bytes(rest.get(..8)?.try_into().ok()?)).ok()?;
+        let t = rest.get(8..8 + len)?;
+        rest = &rest[8 + len..];
+        Some(String::from_utf8_lossy(t).into_owned())
+    };
+    let variable = text()?;
+    let detail = text()?;
+    Some(StoreRefusal {
+        limit: StoreLimit::from_code(code),
+        value,
+        variable,
+        detail,
+    })
+}
+
+/// Reads what [`write_refusal`] wrote, by `deadline`.
+pub(crate) fn read_refusal(
+    stream: &mut TcpStream,
+    deadline: Instant,
+) -> Result<StoreRefusal, WireError> {
+    let code = read_u8_by(stream, deadline)?;
+    let value = read_u64_by(stream, deadline)?;
+    let mut text = || -> Result<String, WireError> {
+        let len = read_len_by(stream, deadline, MAX_REFUSAL_TEXT, "refusal text")?;
+        let bytes = read_blob_by(stream, deadline, len, |_| Ok(()))?;
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    };
+    let variable = text()?;
+    let detail = text()?;
+    Ok(StoreRefusal {
+        limit: StoreLimit::from_code(code),
+        value,
+        variable,
+        detail,
+    })
 }
 
 /// Parses what `ADD` keeps under a key: decimal text, as PyTorch writes it.

@@ -6,10 +6,22 @@
 //! through a loopback client like every other rank. Every key starts with
 //! the rendezvous's namespace. The id of generation `g` is set once by
 //! rank 0 under `{ns}uid/{g}`; the others wait for it (`WAIT`, then `GET`).
-//! A barrier sets `{ns}barrier/{name}/{n}/{rank}` and waits for every
-//! rank's key in one `WAIT`: only idempotent queries, so a client may send
-//! them again after a lost connection. Rank 0 must keep its rendezvous
-//! alive while others use its store (end with a barrier before dropping it).
+//! A barrier sets `{ns}barrier/{name}/{n}/{rank}`; rank 0 waits for every
+//! rank's key (one `WAIT` for up to [`BARRIER_CHUNK`] keys) and then sets
+//! `{ns}barrier/{name}/{n}/done`, which every other rank waits for (a
+//! refusal of a rank's key rank 0 passes on to them, on a store of ours,
+//! `StoreClient::pass_refusal`): each
+//! rank sends O(1) bytes and the store holds O(world) waits (a `WAIT` of
+//! every key by every rank was O(world²)). Only idempotent queries, so a
+//! client may send them again after a lost connection. Rank 0 must keep
+//! its rendezvous alive while others use its store (end with a barrier
+//! before dropping it).
+//!
+//! Where rank 0 serves the store, it serves it with
+//! [`StoreLimits::from_env`] for the world (the connection cap follows the
+//! world size), and every rank's client speaks this crate's extension
+//! ([`StoreClient::connect_ours`]), so that a limit the store hits is a
+//! [`RendezvousError::StoreRefused`] at every rank it affects.
 //! A group's rendezvous ([`Rendezvous::group`]) is a client of the same
 //! store on a connection of its own (opened at its first query), under
 //! `{ns}group/{name}/`; rank 0's store lives until its rendezvous and
@@ -21,7 +33,8 @@ use std::time::{Duration, Instant};
 
 use super::client::{StoreClient, reachable};
 use super::launcher::{Launch, Launcher, StoreRole, bind_addr};
-use super::server::StoreServer;
+use super::limits::StoreLimits;
+use super::server::{StoreServer, StoreStats};
 use super::{
     BarrierCounters, ID_LEN, Rendezvous, RendezvousError, TOKEN_ENV, check_rank, exchange_id_via,
     group_namespace, uid_key,
@@ -29,6 +42,24 @@ use super::{
 
 /// The namespace of a rendezvous that names none.
 const DEFAULT_NAMESPACE: &str = "metrale/";
+/// The keys of one `WAIT` of rank 0's at a barrier (PyTorch's libuv server
+/// takes 131072, ours [`StoreLimits::max_keys_per_query`]).
+pub(crate) const BARRIER_CHUNK: usize = 16384;
+
+/// What a barrier's keys hold once set (`done` too, when every rank came).
+const BARRIER_PASSED: &[u8] = b"1";
+/// Who serves the store a rendezvous uses, and how.
+#[derive(Debug, Clone)]
+pub(crate) enum Serving {
+    /// A launcher (torchrun's agent): a PyTorch store.
+    Launcher,
+    /// Rank 0, with these limits (`None`: [`StoreLimits::from_env`]); this
+    /// rank binds it when it carries the address.
+    Rank0 {
+        bind: Option<SocketAddr>,
+        limits: Option<StoreLimits>,
+    },
+}
 
 /// Rank agreement over a c10d TCPStore.
 #[derive(Debug)]
@@ -52,11 +83,39 @@ impl TcpRendezvous {
         token: Option<String>,
         timeout: Duration,
     ) -> Result<Self, RendezvousError> {
-        let serve = (rank == 0).then_some(addr);
+        let serving = Serving::Rank0 {
+            bind: (rank == 0).then_some(addr),
+            limits: None,
+        };
         Self::build(
             rank,
             world_size,
-            serve,
+            serving,
+            addr,
+            token,
+            DEFAULT_NAMESPACE,
+            timeout,
+        )
+    }
+
+    /// As [`TcpRendezvous::new`], rank 0 serving with `limits` instead of
+    /// [`StoreLimits::from_env`] (other ranks ignore them).
+    pub fn with_limits(
+        rank: usize,
+        world_size: usize,
+        addr: SocketAddr,
+        token: Option<String>,
+        limits: StoreLimits,
+        timeout: Duration,
+    ) -> Result<Self, RendezvousError> {
+        let serving = Serving::Rank0 {
+            bind: (rank == 0).then_some(addr),
+            limits: Some(limits),
+        };
+        Self::build(
+            rank,
+            world_size,
+            serving,
             addr,
             token,
             DEFAULT_NAMESPACE,
@@ -75,7 +134,15 @@ impl TcpRendezvous {
         namespace: &str,
         timeout: Duration,
     ) -> Result<Self, RendezvousError> {
-        Self::build(rank, world_size, None, addr, token, namespace, timeout)
+        Self::build(
+            rank,
+            world_size,
+            Serving::Launcher,
+            addr,
+            token,
+            namespace,
+            timeout,
+        )
     }
 
     /// The rendezvous `launch` describes: a client of the launcher's store,
@@ -94,12 +161,15 @@ impl TcpRendezvous {
                 Self::connect(rank, world, master, None, &launch.namespace, timeout)
             }
             StoreRole::Rank0 => {
-                let serve = (rank == 0).then(|| bind_addr(master));
+                let serving = Serving::Rank0 {
+                    bind: (rank == 0).then(|| bind_addr(master)),
+                    limits: None,
+                };
                 let token = launch.token.clone();
                 Self::build(
                     rank,
                     world,
-                    serve,
+                    serving,
                     master,
                     token,
                     &launch.namespace,
@@ -128,27 +198,39 @@ impl TcpRendezvous {
         }
     }
 
-    /// Rank `rank` of `world_size`, serving a store on `serve` when given
-    /// and connecting to `addr` otherwise; keys under `namespace`.
+    /// Rank `rank` of `world_size`, serving a store where `serving` says
+    /// so and connecting to `addr` otherwise; keys under `namespace`.
     pub(crate) fn build(
         rank: usize,
         world_size: usize,
-        serve: Option<SocketAddr>,
+        serving: Serving,
         addr: SocketAddr,
         token: Option<String>,
         namespace: &str,
         timeout: Duration,
     ) -> Result<Self, RendezvousError> {
         check_rank(rank, world_size).map_err(|e| RendezvousError::BadSpec(e.to_string()))?;
-        let (server, connect_to) = match serve {
-            Some(bind) => {
-                let server = StoreServer::bind(bind, token.clone())?;
+        let (server, connect_to, ours) = match serving {
+            Serving::Rank0 {
+                bind: Some(bind),
+                limits,
+            } => {
+                let limits = match limits {
+                    Some(l) => l,
+                    None => StoreLimits::from_env(world_size)?,
+                };
+                let server = StoreServer::bind_with(bind, token.clone(), limits)?;
                 let local = reachable(server.local_addr());
-                (Some(Arc::new(server)), local)
+                (Some(Arc::new(server)), local, true)
             }
-            None => (None, addr),
+            Serving::Rank0 { bind: None, .. } => (None, addr, true),
+            Serving::Launcher => (None, addr, false),
         };
-        let client = StoreClient::connect(connect_to, token, timeout)?;
+        let client = if ours {
+            StoreClient::connect_ours(connect_to, token, timeout)?
+        } else {
+            StoreClient::connect(connect_to, token, timeout)?
+        };
         tracing::debug!(rank, world_size, addr = %connect_to, namespace, "tcp rendezvous connected");
         Ok(TcpRendezvous {
             rank,
@@ -166,6 +248,12 @@ impl TcpRendezvous {
         self.server.as_deref().map(StoreServer::local_addr)
     }
 
+    /// What rank 0's store holds now (`None` where this rank serves
+    /// nothing).
+    pub fn store_stats(&self) -> Option<StoreStats> {
+        self.server.as_deref().map(StoreServer::stats)
+    }
+
     /// The store client, for callers that need raw keys.
     pub fn client(&self) -> &StoreClient {
         &self.client
@@ -174,6 +262,27 @@ impl TcpRendezvous {
     /// The prefix of every key this rendezvous writes.
     pub fn namespace(&self) -> &str {
         &self.namespace
+    }
+}
+
+impl TcpRendezvous {
+    /// Which rank of `keys` (a barrier's) has not arrived, found with a
+    /// binary search of `CHECK`s, for a timeout's message.
+    fn first_missing(&self, keys: &[&str]) -> String {
+        let (mut lo, mut hi) = (0usize, keys.len());
+        // Invariant: keys[..lo] are all there, keys[..hi] are not.
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            match self.client.check(&keys[..mid]) {
+                Ok(true) => lo = mid,
+                Ok(false) => hi = mid,
+                Err(_) => return "which ranks are missing is unknown".to_owned(),
+            }
+        }
+        match keys.get(lo) {
+            Some(k) => format!("the first missing is {k}"),
+            None => "every rank's key is there".to_owned(),
+        }
     }
 }
 
@@ -203,21 +312,50 @@ impl Rendezvous for TcpRendezvous {
 
     fn barrier(&self, name: &str, timeout: Duration) -> Result<(), RendezvousError> {
         let start = Instant::now();
+        let left = || timeout.saturating_sub(start.elapsed());
         let n = self.barriers.next(name);
         let base = format!("{}barrier/{name}/{n}", self.namespace);
-        self.client.set(&format!("{base}/{}", self.rank), b"1")?;
+        self.client
+            .set(&format!("{base}/{}", self.rank), BARRIER_PASSED)?;
+        let done = format!("{base}/done");
+        if self.rank != 0 {
+            return self.client.wait(&[&done], left()).map_err(|e| match e {
+                RendezvousError::Timeout { .. } => RendezvousError::Timeout {
+                    key: format!(
+                        "{done} (rank 0 sets it once all {} ranks set {base}/RANK)",
+                        self.world_size
+                    ),
+                    after: timeout,
+                },
+                other => other,
+            });
+        }
         let keys: Vec<String> = (0..self.world_size)
             .map(|r| format!("{base}/{r}"))
             .collect();
-        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let left = timeout.saturating_sub(start.elapsed());
-        self.client.wait(&keys, left).map_err(|e| match e {
-            RendezvousError::Timeout { .. } => RendezvousError::Timeout {
-                key: format!("{base}/* ({} ranks)", self.world_size),
-                after: timeout,
-            },
-            other => other,
-        })
+        for chunk in keys.chunks(BARRIER_CHUNK) {
+            let chunk: Vec<&str> = chunk.iter().map(String::as_str).collect();
+            if let Err(e) = self.client.wait(&chunk, left()) {
+                return Err(match e {
+                    RendezvousError::Timeout { .. } => RendezvousError::Timeout {
+                        key: format!(
+                            "{base}/* ({} ranks; {})",
+                            self.world_size,
+                            self.first_missing(&chunk)
+                        ),
+                        after: timeout,
+                    },
+                    RendezvousError::StoreRefused { addr, refusal } => {
+                        // A rank's key was refused: the ranks waiting for
+                        // `done` hear it too (from a store of ours).
+                        let _ = self.client.pass_refusal(&done, &refusal);
+                        RendezvousError::StoreRefused { addr, refusal }
+                    }
+                    other => other,
+                });
+            }
+        }
+        self.client.set(&done, BARRIER_PASSED)
     }
 
     fn group(

@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""The rendezvous store at 1,024, 4,096 and 16,384 ranks: metrale's server
+beside PyTorch's TCPStore server (libuv; --legacy adds the legacy one).
+
+    torch_store_bench.py STORE_BENCH [--sizes 1024,4096,16384] [--legacy] [--out FILE]
+
+STORE_BENCH is the `store-bench` binary (cargo build --release -p
+metrale-benches --bin store-bench, or the store bundle of `cargo xtask
+store-bundle`). For each size it runs, in turn:
+- metrale: `store-bench run --ranks N` (rank 0 serves metrale's store in
+  a process that measures itself);
+- torch-libuv: a child Python process serving
+  `torch.distributed.TCPStore(is_master=True, use_libuv=True)` (its soft
+  file-descriptor limit raised to the hard one, as metrale's server raises
+  its own), measuring itself every 50 ms, while `store-bench run --ranks N
+  --store HOST:PORT` runs the same ranks as its clients (rank 0 too, as
+  under torchrun).
+Each rank is metrale's TcpRendezvous: it connects, takes rank 0's unique id
+and passes a barrier (rank 0 waits for every rank's key, then sets one key
+every other rank waits for). Time to barrier: from the ranks' release to
+the last one past the barrier. RSS, threads and descriptors are the
+serving process's: peak RSS (VmHWM) and the RSS before the ranks came.
+Without torch, only metrale's rows are run. Prints a markdown table.
+"""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+
+
+def server_child():
+    """Serves a torch store and measures this process until stdin closes."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    libuv = sys.argv[2] == "libuv"
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=300), use_libuv=libuv)
+    peak = {"threads": 0, "fds": 0}
+    stop = threading.Event()
+
+    def status(field):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1])
+        return 0
+
+    def sample():
+        while not stop.is_set():
+            peak["threads"] = max(peak["threads"], status("Threads:"))
+            peak["fds"] = max(peak["fds"], len(os.listdir("/proc/self/fd")))
+            time.sleep(0.05)
+
+    base = status("VmRSS:") * 1024
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    print(store.port, flush=True)
+    sys.stdin.read()
+    stop.set()
+    t.join()
+    print(json.dumps({
+        "base_rss_bytes": base,
+        "peak_rss_bytes": status("VmHWM:") * 1024,
+        "threads_peak": peak["threads"],
+        "fds_peak": peak["fds"],
+        "fd_limit": [soft, hard],
+    }), flush=True)
+
+
+def run_metrale(bench, n):
+    out = subprocess.run([bench, "run", "--ranks", str(n)], check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run_torch(bench, n, backend):
+    child = subprocess.Popen([sys.executable, __file__, "--serve", backend],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    port = int(child.stdout.readline())
+    try:
+        out = subprocess.run([bench, "run", "--ranks", str(n), "--store", f"127.0.0.1:{port}"],
+                             capture_output=True, text=True, timeout=900)
+    finally:
+        child.stdin.close()
+    stats = json.loads(child.stdout.readline())
+    child.wait(timeout=60)
+    if out.returncode != 0:
+        return dict(stats, error=out.stderr.strip().splitlines()[-1:] or ["failed"])
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    row.update(stats)
+    return row
+
+
+def table(rows):
+    lines = ["| ranks | server | time to barrier | peak RSS (before the ranks) | threads | fds |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        mib = lambda k: r.get(k, 0) / (1 << 20)
+        t = f"{r['time_to_barrier_s']:.2f} s" if "time_to_barrier_s" in r else f"failed: {r.get('error')}"
+        lines.append(f"| {r['ranks']} | {r['server']} | {t} | {mib('peak_rss_bytes'):.0f} MiB "
+                     f"({mib('base_rss_bytes'):.0f} MiB) | {r.get('threads_peak')} | {r.get('fds_peak')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    if len(sys.argv) >= 3 and sys.argv[1] == "--serve":
+        server_child()
+        return 0
+    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
+        print(__doc__)
+        return 2
+    bench = os.path.abspath(sys.argv[1])
+    args = sys.argv[2:]
+    sizes = [1024, 4096, 16384]
+    out = None
+    if "--sizes" in args:
+        sizes = [int(x) for x in args[args.index("--sizes") + 1].split(",")]
+    if "--out" in args:
+        out = args[args.index("--out") + 1]
+    backends = ["libuv"] + (["legacy"] if "--legacy" in args else [])
+    try:
+        import torch
+        version = torch.__version__
+    except ImportError:
+        version = None
+        print("torch is not installed here: only metrale's rows", file=sys.stderr)
+    rows = []
+    for n in sizes:
+        rows.append(run_metrale(bench, n))
+        print(json.dumps(rows[-1]), file=sys.stderr)
+        if version:
+            for b in backends:
+                row = run_torch(bench, n, b)
+                row["server"] = f"torch {version} {b}"
+                row["ranks"] = n
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr)
+    text = table(rows)
+    print(text, end="")
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+            f.write("\n" + "\n".join(json.dumps(r) for r in rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
