@@ -8,12 +8,36 @@
 //!   `SAFETY:` in the comment block directly above its line (blank lines and
 //!   `#[...]` attributes may sit between);
 //! - no comment carries a date stamp (`YYYY-MM-DD`, 19xx/20xx) or an owner tag
-//!   (`TODO`, `FIXME` or `XXX` followed by a parenthesised name).
+//!   (`TODO`, `FIXME` or `XXX` followed by a parenthesised name);
+//! - no file is over [`MAX_LINES`] lines (src, tests, benches, examples and
+//!   xtask alike; the generated bindings are not checked, and committed PTX
+//!   is not a `.rs` file), except the files in [`BEING_SPLIT`], which must
+//!   each still be over it and still exist, so that the list cannot go stale.
 //!
 //! The checks are line-based heuristics: text inside a string literal on the
 //! same line is ignored by counting quotes before it.
 
 use std::path::{Path, PathBuf};
+
+/// The most lines a hand-written source file may have (docs/style.md, "File
+/// layout"). A file that grows past it is split by responsibility, not by
+/// line count.
+const MAX_LINES: usize = 800;
+
+/// Files over [`MAX_LINES`] whose split is under way, as paths from the
+/// workspace root. This list only shrinks: a file leaves it in the change
+/// that splits it (the length test fails once a listed file is at or under
+/// the limit, or gone), and no file is added to it; a file that grows past
+/// the limit is split in the change that grows it.
+const BEING_SPLIT: &[&str] = &[
+    // The submission path, tickets, poisoning and groups in one file.
+    "crates/metrale-comm/src/nccl_backend/submit.rs",
+    // The emulator's allocation registry and its checked accesses.
+    "crates/gpu-emu/src/memory.rs",
+    // The emulator's own tests of NCCL across processes, and in process.
+    "crates/gpu-emu/tests/processes.rs",
+    "crates/gpu-emu/tests/nccl.rs",
+];
 
 /// Checks one file's text; returns `(line, message)` for each problem.
 fn check_text(text: &str) -> Vec<(usize, String)> {
@@ -230,6 +254,26 @@ fn workspace_files(root: &Path) -> Vec<PathBuf> {
     files
 }
 
+/// The line limit's verdict on the file `rel` of `lines` lines, given the
+/// files being split: the problem, if any.
+fn check_length(rel: &str, lines: usize, being_split: &[&str]) -> Option<String> {
+    let listed = being_split.contains(&rel);
+    if lines > MAX_LINES && !listed {
+        Some(format!(
+            "{rel}:{}: {lines} lines, over the {MAX_LINES}-line limit; split the file by \
+             responsibility (a module directory with one file per part), not by line count",
+            MAX_LINES + 1
+        ))
+    } else if lines <= MAX_LINES && listed {
+        Some(format!(
+            "{rel}: {lines} lines, within the {MAX_LINES}-line limit, but listed in \
+             BEING_SPLIT; remove it from the list"
+        ))
+    } else {
+        None
+    }
+}
+
 /// Whether `path` is generated bindings (`crates/*/src/bindings.rs`).
 fn is_generated(root: &Path, path: &Path) -> bool {
     let rel: Vec<_> = path
@@ -273,6 +317,55 @@ fn workspace_is_tidy() {
         files.len(),
         report.join("\n")
     );
+}
+
+#[test]
+fn no_file_over_the_line_limit() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the workspace root")
+        .to_path_buf();
+    let mut report = Vec::new();
+    let mut seen = Vec::new();
+    for file in workspace_files(&root) {
+        let text = std::fs::read_to_string(&file)
+            .unwrap_or_else(|e| panic!("tidy: cannot read {}: {e}", file.display()));
+        let rel = file
+            .strip_prefix(&root)
+            .unwrap_or(&file)
+            .to_string_lossy()
+            .replace('\\', "/");
+        report.extend(check_length(&rel, text.lines().count(), BEING_SPLIT));
+        seen.push(rel);
+    }
+    for listed in BEING_SPLIT {
+        if !seen.iter().any(|s| s == listed) {
+            report.push(format!(
+                "{listed}: listed in BEING_SPLIT but not found; remove it from the list"
+            ));
+        }
+    }
+    assert!(
+        report.is_empty(),
+        "tidy: {} file(s) break the {MAX_LINES}-line rule:\n{}",
+        report.len(),
+        report.join("\n")
+    );
+}
+
+#[test]
+fn the_line_limit_and_its_list_of_files_being_split() {
+    let split = ["crates/a/src/big.rs"];
+    assert_eq!(check_length("crates/a/src/lib.rs", MAX_LINES, &split), None);
+    let over = check_length("crates/a/src/lib.rs", MAX_LINES + 1, &split).unwrap();
+    assert!(
+        over.starts_with("crates/a/src/lib.rs:801: 801 lines"),
+        "{over}"
+    );
+    assert!(over.contains("split the file by responsibility"), "{over}");
+    assert_eq!(check_length("crates/a/src/big.rs", 2000, &split), None);
+    let stale = check_length("crates/a/src/big.rs", MAX_LINES, &split).unwrap();
+    assert!(stale.contains("remove it from the list"), "{stale}");
 }
 
 /// Test inputs spell `unsafe` as `UNSAFE` and `//` as `##` so that this file

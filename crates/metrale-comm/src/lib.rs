@@ -71,7 +71,8 @@
 //! A single GPU runs the same engine code on [`LocalBackend`], where every
 //! reduction is the identity.
 //!
-//! Invariants: see each module; `docs/architecture.md` gathers them.
+//! Invariants: see each module; `docs/architecture.md` names the layers,
+//! the contracts between them and which module docs hold the rest.
 
 pub mod backend;
 pub mod config;
