@@ -297,13 +297,12 @@ impl<T: OneShotElement + SuiteElem> LocalOneShot<T> {
         for s in &self.streams {
             s.wait_until_idle(WAIT)?;
         }
-        for (r, f) in self.flags.iter().enumerate() {
-            ensure!(
-                f.load(1) == 0,
-                "rank {r}: the kernel set status {}",
-                f.load(1)
-            );
-        }
+        let statuses: Vec<u32> = self.flags.iter().map(|f| f.load(1)).collect();
+        ensure!(
+            statuses.iter().all(|&s| s == 0),
+            "the kernels set statuses {statuses:?} (by rank; 1 timeout, 2 aborted, 3 concurrent \
+             use, 4 bad launch)"
+        );
         Ok(())
     }
 
