@@ -270,6 +270,18 @@ impl Inner {
         if let Err(e) = slot.one_shot.load_kernels(&self.ctx) {
             return Err(format!("the one-shot kernels do not load: {e}"));
         }
+        // Captured one-shots are ordered by external events in the capture
+        // (decision 0017): a driver without them has no graph lane.
+        match cuda_sys::cuda() {
+            Ok(lib) if lib.cuEventRecordWithFlags.is_err() => {
+                return Err("the driver has no cuEventRecordWithFlags (CUDA 11.1)".into());
+            }
+            Ok(lib) if lib.cuStreamGetCaptureInfo_v3.is_err() => {
+                return Err("the driver has no cuStreamGetCaptureInfo_v3 (CUDA 12.3)".into());
+            }
+            Ok(_) => {}
+            Err(e) => return Err(format!("the CUDA driver: {e}")),
+        }
         let dev = self.config.device;
         match nccl_safe::unified_addressing(dev) {
             Ok(true) => {}
