@@ -288,13 +288,21 @@ impl FlightRecorder {
     /// a timed-out operation still waits on the GPU until its abort),
     /// oldest first.
     pub fn in_flight(&self, max: usize) -> Vec<OpRecord> {
+        self.records(max, |s| {
+            matches!(s.state, OpState::Enqueued | OpState::TimedOut)
+        })
+    }
+
+    /// Up to `max` records that `keep`, oldest first; the ring's lock is
+    /// held only to copy them.
+    fn records(&self, max: usize, keep: impl Fn(&Slot) -> bool) -> Vec<OpRecord> {
         let slots: Vec<Slot> = {
             let ring = self.ring.lock();
             let cap = ring.slots.len() as u64;
             let first = ring.last_seq.saturating_sub(cap) + 1;
             (first..=ring.last_seq)
                 .filter_map(|seq| ring.slot(seq).copied())
-                .filter(|s| matches!(s.state, OpState::Enqueued | OpState::TimedOut))
+                .filter(|s| keep(s))
                 .take(max)
                 .collect()
         };
@@ -303,15 +311,7 @@ impl FlightRecorder {
 
     /// Every record in the ring, oldest first.
     pub fn snapshot(&self) -> Vec<OpRecord> {
-        let slots: Vec<Slot> = {
-            let ring = self.ring.lock();
-            let cap = ring.slots.len() as u64;
-            let first = ring.last_seq.saturating_sub(cap) + 1;
-            (first..=ring.last_seq)
-                .filter_map(|seq| ring.slot(seq).copied())
-                .collect()
-        };
-        slots.into_iter().map(Slot::to_record).collect()
+        self.records(usize::MAX, |_| true)
     }
 
     /// Writes `dir/metrale-fr-rank{rank}-gen{generation}.json` (a [`Dump`])

@@ -118,6 +118,22 @@ fn rounds(ctx: &RankCtx, be: &NcclBackend, bufs: &mut Bufs, seed: u64) -> anyhow
     Ok(())
 }
 
+/// Joins world A's and world B's threads: both run to their end, then
+/// the first error (world A's first).
+fn join_both(
+    ta: std::thread::ScopedJoinHandle<'_, anyhow::Result<()>>,
+    tb: std::thread::ScopedJoinHandle<'_, anyhow::Result<()>>,
+) -> anyhow::Result<()> {
+    let ra = ta
+        .join()
+        .map_err(|_| anyhow::anyhow!("world A's thread panicked"))?;
+    let rb = tb
+        .join()
+        .map_err(|_| anyhow::anyhow!("world B's thread panicked"))?;
+    ra.context("world A")?;
+    rb.context("world B")
+}
+
 /// `two_worlds_concurrent`.
 pub fn concurrent(ctx: &RankCtx) -> anyhow::Result<()> {
     let seed = ctx.shared_seed("two-worlds")?;
@@ -133,14 +149,7 @@ pub fn concurrent(ctx: &RankCtx) -> anyhow::Result<()> {
     std::thread::scope(|s| -> anyhow::Result<()> {
         let ta = s.spawn(|| rounds(ctx, &a, ba, seed));
         let tb = s.spawn(|| rounds(ctx, &b, bb, seed ^ 0xb));
-        let ra = ta
-            .join()
-            .map_err(|_| anyhow::anyhow!("world A's thread panicked"))?;
-        let rb = tb
-            .join()
-            .map_err(|_| anyhow::anyhow!("world B's thread panicked"))?;
-        ra.context("world A")?;
-        rb.context("world B")
+        join_both(ta, tb)
     })?;
     ensure!(a.is_healthy() && b.is_healthy(), "a world was poisoned");
     // Freeing waits for the device: only once no peer can be waiting on
@@ -277,14 +286,7 @@ pub fn free_deadlock(ctx: &RankCtx) -> anyhow::Result<()> {
                 }
             }
         });
-        let ra = ta
-            .join()
-            .map_err(|_| anyhow::anyhow!("world A's thread panicked"))?;
-        let rb = tb
-            .join()
-            .map_err(|_| anyhow::anyhow!("world B's thread panicked"))?;
-        ra.context("world A")?;
-        rb.context("world B")
+        join_both(ta, tb)
     })?;
     let took = started.elapsed();
     ensure!(
