@@ -141,15 +141,10 @@
 
 #[cfg(test)]
 mod abi;
-mod driver;
-mod errors;
+mod cuda;
 mod fault;
-mod ipc;
 mod kernels;
-mod memory;
 mod nccl;
-mod one_shot;
-mod stream;
 
 use std::collections::BTreeMap;
 use std::panic::AssertUnwindSafe;

@@ -21,8 +21,9 @@ use super::net::bootstrap::{InitErr, Remote};
 use super::net::{self, bootstrap};
 use super::world::{Peers, World};
 use super::{R, VERSION};
+use crate::cuda::driver;
 use crate::fault::{self, Fault};
-use crate::{driver, put};
+use crate::put;
 
 /// A rank registered with an id of this process.
 pub(super) enum Member {

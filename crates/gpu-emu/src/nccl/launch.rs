@@ -23,9 +23,9 @@ use super::errors::err;
 use super::group::{GROUP, GroupItem, in_group};
 use super::world::{Desc, Peers, World, run_coll, run_recv, run_send};
 use super::{POLL, R, TICK};
-use crate::driver;
+use crate::cuda::driver;
+use crate::cuda::stream::{self, Launcher, Target, Work};
 use crate::fault::{self, Fault};
-use crate::stream::{self, Launcher, Target, Work};
 
 pub(super) enum Body {
     Coll(Desc),

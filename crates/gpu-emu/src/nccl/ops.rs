@@ -17,7 +17,7 @@ use super::errors::{entry, fail, unimplemented};
 use super::group::grouped;
 use super::launch::{Body, submit_op};
 use super::world::{Desc, Kind};
-use crate::memory::range_ok;
+use crate::cuda::memory::range_ok;
 
 pub(super) fn check_buf(p: u64, elems: usize, esz: usize, what: &str) -> R<()> {
     let Some(len) = elems.checked_mul(esz) else {

@@ -21,7 +21,7 @@ use super::TICK;
 use super::comm::Comm;
 use super::data::{Dt, Op, reduce};
 use super::net::Mesh;
-use crate::memory::{self, Span};
+use crate::cuda::memory::{self, Span};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Kind {

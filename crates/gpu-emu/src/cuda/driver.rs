@@ -25,7 +25,8 @@ use cuda_sys::{
 };
 use parking_lot::Mutex;
 
-use crate::{guard, id_to_ptr, memory, ptr_to_id, put};
+use super::memory;
+use crate::{guard, id_to_ptr, ptr_to_id, put};
 
 /// Memory of each emulated device: 80 GiB.
 pub(crate) const TOTAL_MEM: usize = 80 << 30;
@@ -172,7 +173,7 @@ unsafe fn out_str(buf: *mut c_char, len: c_int, s: &[u8]) -> Result<(), CUresult
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuGetErrorString(error: CUresult, p_str: *mut *const c_char) -> CUresult {
     guard(CUresult::CUDA_ERROR_UNKNOWN, || {
-        let found = crate::errors::lookup(error.0);
+        let found = super::errors::lookup(error.0);
         let s = found.map_or(std::ptr::null(), |(_, s)| s.as_ptr());
         // SAFETY: `p_str` is null or valid (this function's contract).
         match unsafe { out(p_str, s) } {
@@ -189,7 +190,7 @@ pub unsafe extern "C" fn cuGetErrorString(error: CUresult, p_str: *mut *const c_
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuGetErrorName(error: CUresult, p_str: *mut *const c_char) -> CUresult {
     guard(CUresult::CUDA_ERROR_UNKNOWN, || {
-        let found = crate::errors::lookup(error.0);
+        let found = super::errors::lookup(error.0);
         let s = found.map_or(std::ptr::null(), |(n, _)| n.as_ptr());
         // SAFETY: `p_str` is null or valid (this function's contract).
         match unsafe { out(p_str, s) } {
@@ -480,7 +481,7 @@ pub extern "C" fn cuCtxSynchronize() -> CUresult {
         code((|| {
             check_init()?;
             let d = current_device().ok_or(CUresult::CUDA_ERROR_INVALID_CONTEXT)?;
-            crate::stream::sync_device(d)?;
+            super::stream::sync_device(d)?;
             sticky(d)
         })())
     })

@@ -27,7 +27,7 @@ use cuda_sys::{
 };
 use parking_lot::{Condvar, Mutex};
 
-use crate::driver::{self, check_init, code, current_device};
+use super::driver::{self, check_init, code, current_device};
 use crate::{Table, guard, id_to_ptr, ptr_to_id, put};
 
 /// One execution of enqueued work.

@@ -18,10 +18,11 @@ use std::sync::Arc;
 use cuda_sys::{CUfunction, CUmodule, CUresult, CUstream};
 use half::bf16;
 
-use crate::driver::{check_init, code};
-use crate::memory::{self, Span, range_ok};
-use crate::stream::{self, Launcher};
-use crate::{Table, driver, guard, id_to_ptr, ptr_to_id, put};
+use crate::cuda::driver;
+use crate::cuda::driver::{check_init, code};
+use crate::cuda::memory::{self, Span, range_ok};
+use crate::cuda::stream::{self, Launcher};
+use crate::{Table, guard, id_to_ptr, ptr_to_id, put};
 
 /// The kernels with a host implementation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,14 +31,14 @@ enum Kernel {
     Bf16AddInplace,
     /// `{bf16,f16,f32}_one_shot_all_reduce(OsCtrl* ctrl, T* data, u64 n,
     /// u32 lane)`, run by `one_shot`.
-    OneShotAllReduce(crate::one_shot::Elem),
+    OneShotAllReduce(super::one_shot::Elem),
 }
 
 impl Kernel {
     fn by_name(name: &str) -> Option<Self> {
         match name {
             "bf16_add_inplace" => Some(Kernel::Bf16AddInplace),
-            _ => crate::one_shot::Elem::by_name(name).map(Kernel::OneShotAllReduce),
+            _ => super::one_shot::Elem::by_name(name).map(Kernel::OneShotAllReduce),
         }
     }
 }
@@ -252,7 +253,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
                             p[3].cast::<u32>().read_unaligned(),
                         )
                     };
-                    let l = crate::one_shot::launcher(elem, (ctrl, data, n, lane), dev)?;
+                    let l = super::one_shot::launcher(elem, (ctrl, data, n, lane), dev)?;
                     stream::submit(&target, l)
                 }
             }

@@ -37,9 +37,10 @@ use cuda_sys::ipc::{CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, CUipcMemHandle};
 use cuda_sys::{CUdeviceptr, CUresult};
 use parking_lot::Mutex;
 
-use crate::driver::{check_init, code, current_device};
-use crate::memory::{Export, Imported};
-use crate::{guard, memory, put};
+use super::driver::{check_init, code, current_device};
+use super::memory;
+use super::memory::{Export, Imported};
+use crate::{guard, put};
 
 const MAGIC: &[u8; 8] = b"EMUIPC02";
 

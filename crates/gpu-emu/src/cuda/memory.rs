@@ -40,8 +40,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use cuda_sys::{CUdeviceptr, CUresult, CUstream};
 use parking_lot::RwLock;
 
-use crate::driver::{self, TOTAL_MEM, check_init, code};
-use crate::stream::{self, Launcher};
+use super::driver::{self, TOTAL_MEM, check_init, code};
+use super::stream::{self, Launcher};
 use crate::{guard, put};
 
 const ALIGN: usize = 256;
@@ -376,7 +376,7 @@ pub(crate) fn free(ptr: u64, device: bool) -> Result<(), CUresult> {
             // SAFETY: the header page stays mapped until just below.
             let opens = unsafe { header(h) }.opens.load(Ordering::Acquire);
             if opens > 0 {
-                crate::ipc::violation(ptr, opens);
+                super::ipc::violation(ptr, opens);
             }
             // SAFETY: as above, for the shared mapping `share` made and its
             // header page; `fd` is the export's memfd, closed once here
