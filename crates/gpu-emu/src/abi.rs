@@ -8,6 +8,8 @@
 #![allow(dead_code)]
 
 use crate::cuda::driver::*;
+use crate::cuda::event::*;
+use crate::cuda::graph::*;
 use crate::cuda::ipc::*;
 use crate::cuda::memory::*;
 use crate::cuda::stream::*;

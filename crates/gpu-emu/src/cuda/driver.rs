@@ -473,20 +473,6 @@ pub unsafe extern "C" fn cuCtxGetDevice(device: *mut CUdevice) -> CUresult {
     })
 }
 
-/// `cuCtxSynchronize`: waits for every stream of the current device, then
-/// reports the context's sticky error, if any.
-#[unsafe(no_mangle)]
-pub extern "C" fn cuCtxSynchronize() -> CUresult {
-    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
-        code((|| {
-            check_init()?;
-            let d = current_device().ok_or(CUresult::CUDA_ERROR_INVALID_CONTEXT)?;
-            super::stream::sync_device(d)?;
-            sticky(d)
-        })())
-    })
-}
-
 /// `cuPointerGetAttribute`: memory type, device ordinal, range start and
 /// size, context.
 ///

@@ -7,6 +7,8 @@
 
 pub(crate) mod driver;
 mod errors;
+pub(crate) mod event;
+pub(crate) mod graph;
 pub(crate) mod ipc;
 pub(crate) mod memory;
 pub(crate) mod stream;

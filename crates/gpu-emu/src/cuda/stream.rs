@@ -1,9 +1,11 @@
-//! Streams, events and graphs.
+//! Streams: in-order queues of work, each drained by its own worker
+//! thread; the legacy stream of each device; the device-wide waits
+//! (`cuCtxSynchronize`, and the implicit one of a free).
 //!
-//! A stream is an in-order queue of work drained by its own worker thread.
 //! Work is enqueued as a [`Launcher`], a re-runnable closure that makes one
 //! execution ([`Work`]) when the work is launched: at the API call, or at each
-//! graph launch when it was captured.
+//! graph launch when it was captured (`graph`). Events are markers in the
+//! queue (`event`).
 //!
 //! Invariants:
 //! - `completed <= enqueued`; a stream is idle when they are equal.
@@ -15,16 +17,19 @@
 //!   ([`quiesce`], `cuCtxSynchronize`) still waits for it.
 //! - Synchronise and query calls report the device's sticky error once the
 //!   work they wait for has run (or at once, for queries).
+//!
+//! Lock order: the legacy streams' table, then [`RUNNING`] (a legacy
+//! stream is spawned, and listed as running, under the table's lock). A
+//! stream's state and the stream table are leaves: nothing else is locked
+//! while one is held, and work runs with no lock held, so work may
+//! enqueue, wait or take any other lock.
 
 use std::collections::VecDeque;
 use std::ffi::c_uint;
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use cuda_sys::{
-    CUevent, CUevent_flags_enum, CUgraph, CUgraphExec, CUresult, CUstream, CUstreamCaptureMode,
-    CUstreamCaptureStatus,
-};
+use cuda_sys::{CUresult, CUstream};
 use parking_lot::{Condvar, Mutex};
 
 use super::driver::{self, check_init, code, current_device};
@@ -35,7 +40,8 @@ pub(crate) type Work = Box<dyn FnOnce() + Send>;
 /// Makes one execution of some work; called at launch.
 pub(crate) type Launcher = Arc<dyn Fn() -> Work + Send + Sync>;
 
-const TICK: Duration = Duration::from_millis(20);
+/// The longest a host wait sleeps between checks.
+pub(super) const TICK: Duration = Duration::from_millis(20);
 
 struct StreamState {
     queue: VecDeque<Work>,
@@ -118,6 +124,22 @@ impl Stream {
     /// Whether the stream is capturing.
     pub(crate) fn capturing(&self) -> bool {
         self.st.lock().capture.is_some()
+    }
+
+    /// Starts recording launchers; `CUDA_ERROR_ILLEGAL_STATE` when the
+    /// stream is capturing already.
+    pub(super) fn begin_capture(&self) -> Result<(), CUresult> {
+        let mut st = self.st.lock();
+        if st.capture.is_some() {
+            return Err(CUresult::CUDA_ERROR_ILLEGAL_STATE);
+        }
+        st.capture = Some(Vec::new());
+        Ok(())
+    }
+
+    /// Ends a capture: the launchers recorded, `None` when not capturing.
+    pub(super) fn end_capture(&self) -> Option<Vec<Launcher>> {
+        self.st.lock().capture.take()
     }
 
     fn idle(&self) -> bool {
@@ -215,7 +237,8 @@ pub(crate) struct Target {
     pub(crate) sync: bool,
 }
 
-fn is_legacy(h: CUstream) -> bool {
+/// Whether `h` is the NULL, legacy or per-thread handle.
+pub(super) fn is_legacy(h: CUstream) -> bool {
     matches!(ptr_to_id(h), 0..=2)
 }
 
@@ -357,405 +380,16 @@ pub extern "C" fn cuStreamSynchronize(h: CUstream) -> CUresult {
     })
 }
 
-/// `cuStreamBeginCapture_v2`: later work on the stream is recorded.
+/// `cuCtxSynchronize`: waits for every stream of the current device, then
+/// reports the context's sticky error, if any.
 #[unsafe(no_mangle)]
-pub extern "C" fn cuStreamBeginCapture_v2(h: CUstream, mode: CUstreamCaptureMode) -> CUresult {
+pub extern "C" fn cuCtxSynchronize() -> CUresult {
     guard(CUresult::CUDA_ERROR_UNKNOWN, || {
         code((|| {
             check_init()?;
-            if mode.0 > 2 {
-                return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-            }
-            if is_legacy(h) {
-                return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
-            }
-            let t = resolve(h, None)?;
-            let mut st = t.stream.st.lock();
-            if st.capture.is_some() {
-                return Err(CUresult::CUDA_ERROR_ILLEGAL_STATE);
-            }
-            st.capture = Some(Vec::new());
-            Ok(())
-        })())
-    })
-}
-
-/// A recorded sequence of work.
-struct Graph {
-    nodes: Vec<Launcher>,
-}
-
-static GRAPHS: Table<Graph> = Table::new();
-static EXECS: Table<Graph> = Table::new();
-
-/// `cuStreamEndCapture`: the recorded work as a graph.
-///
-/// # Safety
-/// `ph` is null or valid for a write.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamEndCapture(h: CUstream, ph: *mut CUgraph) -> CUresult {
-    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
-        code((|| {
-            check_init()?;
-            if ph.is_null() {
-                return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-            }
-            if is_legacy(h) {
-                return Err(CUresult::CUDA_ERROR_ILLEGAL_STATE);
-            }
-            let t = resolve(h, None)?;
-            let nodes = t
-                .stream
-                .st
-                .lock()
-                .capture
-                .take()
-                .ok_or(CUresult::CUDA_ERROR_ILLEGAL_STATE)?;
-            let id = GRAPHS.insert(Arc::new(Graph { nodes }));
-            // SAFETY: `ph` is non-null and valid (this function's contract).
-            unsafe { put(ph, id_to_ptr(id)) };
-            Ok(())
-        })())
-    })
-}
-
-/// `cuStreamIsCapturing`.
-///
-/// # Safety
-/// `status` is null or valid for a write.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamIsCapturing(
-    h: CUstream,
-    status: *mut CUstreamCaptureStatus,
-) -> CUresult {
-    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
-        code((|| {
-            check_init()?;
-            let t = resolve(h, None)?;
-            let s = if t.stream.capturing() {
-                CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE
-            } else {
-                CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
-            };
-            // SAFETY: `status` is null or valid (this function's contract).
-            if unsafe { put(status, s) } {
-                Ok(())
-            } else {
-                Err(CUresult::CUDA_ERROR_INVALID_VALUE)
-            }
-        })())
-    })
-}
-
-/// `cuGraphInstantiateWithFlags`.
-///
-/// # Safety
-/// `ph` is null or valid for a write.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphInstantiateWithFlags(
-    ph: *mut CUgraphExec,
-    graph: CUgraph,
-    _flags: u64,
-) -> CUresult {
-    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
-        code((|| {
-            check_init()?;
-            let g = GRAPHS
-                .get(ptr_to_id(graph))
-                .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
-            if ph.is_null() {
-                return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-            }
-            let id = EXECS.insert(Arc::new(Graph {
-                nodes: g.nodes.clone(),
-            }));
-            // SAFETY: `ph` is non-null and valid (this function's contract).
-            unsafe { put(ph, id_to_ptr(id)) };
-            Ok(())
-        })())
-    })
-}
-
-/// `cuGraphLaunch`: a fresh execution of the recorded work on `h`.
-#[unsafe(no_mangle)]
-pub extern "C" fn cuGraphLaunch(exec: CUgraphExec, h: CUstream) -> CUresult {
-    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
-        code((|| {
-            check_init()?;
-            let g = EXECS
-                .get(ptr_to_id(exec))
-                .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
-            let t = resolve(h, None)?;
-            if t.stream.capturing() {
-                return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
-            }
-            driver::sticky(t.stream.device)?;
-            let works: Vec<Work> = g.nodes.iter().map(|l| l()).collect();
-            t.stream.push(Box::new(move || {
-                for w in works {
-                    w();
-                }
-            }));
-            if t.sync {
-                t.stream.wait_idle()?;
-                driver::sticky(t.stream.device)?;
-            }
-            Ok(())
-        })())
-    })
-}
-
-/// `cuGraphExecDestroy`.
-#[unsafe(no_mangle)]
-pub extern "C" fn cuGraphExecDestroy(exec: CUgraphExec) -> CUresult {
-    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
-        code(check_init().and_then(|_| {
-            EXECS
-                .remove(ptr_to_id(exec))
-                .map(|_| ())
-                .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)
-        }))
-    })
-}
-
-/// `cuGraphDestroy`.
-#[unsafe(no_mangle)]
-pub extern "C" fn cuGraphDestroy(graph: CUgraph) -> CUresult {
-    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
-        code(check_init().and_then(|_| {
-            GRAPHS
-                .remove(ptr_to_id(graph))
-                .map(|_| ())
-                .ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)
-        }))
-    })
-}
-
-struct EventState {
-    /// Generation of the latest record.
-    recorded: u64,
-    /// The device of the stream of the latest record.
-    device: Option<i32>,
-    /// Highest generation whose marker has run.
-    done: u64,
-    time: Option<Instant>,
-}
-
-/// An emulated event.
-struct Event {
-    timing: bool,
-    st: Mutex<EventState>,
-    cv: Condvar,
-}
-
-impl Event {
-    fn complete(&self, generation: u64) {
-        let mut st = self.st.lock();
-        if generation > st.done {
-            st.done = generation;
-            st.time = Some(Instant::now());
-        }
-        self.cv.notify_all();
-    }
-
-    fn wait(&self, generation: u64) {
-        let mut st = self.st.lock();
-        while st.done < generation {
-            self.cv.wait_for(&mut st, TICK);
-        }
-    }
-}
-
-static EVENTS: Table<Event> = Table::new();
-
-fn event(h: CUevent) -> Result<Arc<Event>, CUresult> {
-    EVENTS
-        .get(ptr_to_id(h))
-        .ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)
-}
-
-/// `cuEventCreate`.
-///
-/// # Safety
-/// `ph` is null or valid for a write.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuEventCreate(ph: *mut CUevent, flags: c_uint) -> CUresult {
-    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
-        code((|| {
-            check_init()?;
-            current_device().ok_or(CUresult::CUDA_ERROR_INVALID_CONTEXT)?;
-            if ph.is_null() || flags > 7 {
-                return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-            }
-            let timing = flags & CUevent_flags_enum::CU_EVENT_DISABLE_TIMING.0 == 0;
-            let id = EVENTS.insert(Arc::new(Event {
-                timing,
-                st: Mutex::new(EventState {
-                    recorded: 0,
-                    device: None,
-                    done: 0,
-                    time: None,
-                }),
-                cv: Condvar::new(),
-            }));
-            // SAFETY: `ph` is non-null and valid (this function's contract).
-            unsafe { put(ph, id_to_ptr(id)) };
-            Ok(())
-        })())
-    })
-}
-
-/// `cuEventDestroy_v2`.
-#[unsafe(no_mangle)]
-pub extern "C" fn cuEventDestroy_v2(h: CUevent) -> CUresult {
-    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
-        code(check_init().and_then(|_| {
-            EVENTS
-                .remove(ptr_to_id(h))
-                .map(|_| ())
-                .ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)
-        }))
-    })
-}
-
-/// `cuEventRecord`: a marker on the stream; a no-op on a capturing stream.
-#[unsafe(no_mangle)]
-pub extern "C" fn cuEventRecord(h: CUevent, s: CUstream) -> CUresult {
-    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
-        code((|| {
-            check_init()?;
-            let ev = event(h)?;
-            let t = resolve(s, None)?;
-            if t.stream.capturing() {
-                return Ok(());
-            }
-            driver::sticky(t.stream.device)?;
-            let generation = {
-                let mut st = ev.st.lock();
-                st.recorded += 1;
-                st.device = Some(t.stream.device);
-                st.recorded
-            };
-            submit(
-                &t,
-                Arc::new(move || {
-                    let ev = ev.clone();
-                    Box::new(move || ev.complete(generation))
-                }),
-            )
-        })())
-    })
-}
-
-/// `cuEventQuery`: the sticky error of the device it was recorded on, if
-/// any, else `CUDA_ERROR_NOT_READY` until the stream reaches the latest
-/// record; an event never recorded is complete.
-#[unsafe(no_mangle)]
-pub extern "C" fn cuEventQuery(h: CUevent) -> CUresult {
-    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
-        code((|| {
-            check_init()?;
-            let ev = event(h)?;
-            let st = ev.st.lock();
-            st.device.map_or(Ok(()), driver::sticky)?;
-            if st.done >= st.recorded {
-                Ok(())
-            } else {
-                Err(CUresult::CUDA_ERROR_NOT_READY)
-            }
-        })())
-    })
-}
-
-/// `cuEventSynchronize`: blocks until the latest record has run, then
-/// reports the sticky error of the device it was recorded on, if any.
-#[unsafe(no_mangle)]
-pub extern "C" fn cuEventSynchronize(h: CUevent) -> CUresult {
-    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
-        code((|| {
-            check_init()?;
-            let ev = event(h)?;
-            let (g, device) = {
-                let st = ev.st.lock();
-                (st.recorded, st.device)
-            };
-            ev.wait(g);
-            device.map_or(Ok(()), driver::sticky)
-        })())
-    })
-}
-
-/// `cuStreamWaitEvent`: the stream waits for the event's latest record at
-/// the time of the call (none: no wait).
-#[unsafe(no_mangle)]
-pub extern "C" fn cuStreamWaitEvent(s: CUstream, h: CUevent, _flags: c_uint) -> CUresult {
-    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
-        code((|| {
-            check_init()?;
-            let ev = event(h)?;
-            let t = resolve(s, None)?;
-            driver::sticky(t.stream.device)?;
-            let g = {
-                let st = ev.st.lock();
-                if st.done >= st.recorded {
-                    return Ok(());
-                }
-                st.recorded
-            };
-            if t.stream.capturing() {
-                return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
-            }
-            submit(
-                &t,
-                Arc::new(move || {
-                    let ev = ev.clone();
-                    Box::new(move || ev.wait(g))
-                }),
-            )
-        })())
-    })
-}
-
-/// `cuEventElapsedTime_v2`: milliseconds between the two markers' host
-/// times.
-///
-/// # Safety
-/// `ms` is null or valid for a write.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuEventElapsedTime_v2(
-    ms: *mut f32,
-    start: CUevent,
-    end: CUevent,
-) -> CUresult {
-    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
-        code((|| {
-            check_init()?;
-            let (a, b) = (event(start)?, event(end)?);
-            if ms.is_null() {
-                return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-            }
-            if !a.timing || !b.timing {
-                return Err(CUresult::CUDA_ERROR_INVALID_HANDLE);
-            }
-            let time = |e: &Event| {
-                let st = e.st.lock();
-                if st.recorded == 0 {
-                    Err(CUresult::CUDA_ERROR_INVALID_HANDLE)
-                } else if st.done < st.recorded {
-                    Err(CUresult::CUDA_ERROR_NOT_READY)
-                } else {
-                    st.time.ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)
-                }
-            };
-            let (ta, tb) = (time(&a)?, time(&b)?);
-            let v = if tb >= ta {
-                tb.duration_since(ta).as_secs_f64() * 1e3
-            } else {
-                -(ta.duration_since(tb).as_secs_f64() * 1e3)
-            };
-            // SAFETY: `ms` is non-null and valid (this function's contract).
-            unsafe { put(ms, v as f32) };
-            Ok(())
+            let d = current_device().ok_or(CUresult::CUDA_ERROR_INVALID_CONTEXT)?;
+            sync_device(d)?;
+            driver::sticky(d)
         })())
     })
 }
