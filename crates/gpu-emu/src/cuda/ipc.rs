@@ -31,15 +31,13 @@
 
 use std::collections::BTreeMap;
 use std::ffi::c_uint;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use cuda_sys::ipc::{CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, CUipcMemHandle};
 use cuda_sys::{CUdeviceptr, CUresult};
 use parking_lot::Mutex;
 
 use super::driver::{check_init, code, current_device};
-use super::memory;
-use super::memory::{Export, Imported};
+use super::memory::{self, Export, Imported};
 use crate::{guard, put};
 
 const MAGIC: &[u8; 8] = b"EMUIPC02";
@@ -62,20 +60,6 @@ struct State {
 static STATE: Mutex<State> = Mutex::new(State {
     imports: BTreeMap::new(),
 });
-
-static VIOLATIONS: AtomicU64 = AtomicU64::new(0);
-
-/// Counts and logs a free of device memory at `start` that `opens`
-/// mappings in other processes still hold.
-pub(crate) fn violation(start: u64, opens: u32) {
-    VIOLATIONS.fetch_add(1, Ordering::Relaxed);
-    tracing::error!(
-        start,
-        opens,
-        "emulated cuMemFree of memory other processes still have open through \
-         cuIpcOpenMemHandle (undefined in the driver): close the mappings first"
-    );
-}
 
 /// A handle: the exporting process and its export.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -252,7 +236,7 @@ pub extern "C" fn metrale_emu_ipc_open_mappings() -> u64 {
 /// since the process started.
 #[unsafe(no_mangle)]
 pub extern "C" fn metrale_emu_ipc_violations() -> u64 {
-    VIOLATIONS.load(Ordering::Relaxed)
+    memory::ipc_violations()
 }
 
 #[cfg(test)]
