@@ -172,7 +172,8 @@ pub(crate) fn new_id() -> u64 {
     NEXT_ID.fetch_add(0x10, Ordering::Relaxed)
 }
 
-/// A table of live objects by handle id.
+/// A table of live objects by handle id. Its lock is held for one map
+/// operation at a time and is a leaf: nothing else is locked under it.
 pub(crate) struct Table<T> {
     map: Mutex<BTreeMap<u64, Arc<T>>>,
 }
@@ -225,22 +226,4 @@ pub(crate) unsafe fn put<T>(p: *mut T, v: T) -> bool {
     // SAFETY: `p` is not null and valid for a write (this function's contract).
     unsafe { p.write_unaligned(v) };
     true
-}
-
-/// Injects a fault; see [`Fault`]. Returns 0, or -1 on a bad argument.
-#[unsafe(no_mangle)]
-pub extern "C" fn metrale_emu_inject(rank: i32, fault: i32, nth: u64) -> i32 {
-    guard(-1, || fault::inject(rank, fault, nth))
-}
-
-/// Clears every injected fault.
-#[unsafe(no_mangle)]
-pub extern "C" fn metrale_emu_reset() {
-    guard((), fault::reset)
-}
-
-/// The number of NCCL API calls made so far in this process.
-#[unsafe(no_mangle)]
-pub extern "C" fn metrale_emu_nccl_calls() -> u64 {
-    nccl::calls()
 }

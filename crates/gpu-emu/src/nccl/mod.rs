@@ -102,7 +102,8 @@ pub(super) type R<T> = Result<T, ncclResult_t>;
 
 pub(super) static CALLS: AtomicU64 = AtomicU64::new(0);
 
-/// NCCL API calls so far.
-pub(crate) fn calls() -> u64 {
+/// The number of NCCL API calls made so far in this process.
+#[unsafe(no_mangle)]
+pub extern "C" fn metrale_emu_nccl_calls() -> u64 {
     CALLS.load(Ordering::Relaxed)
 }
