@@ -16,10 +16,30 @@ use nccl_sys::{ncclComm, ncclComm_t, ncclConfig_t, ncclResult_t};
 use parking_lot::{Condvar, Mutex};
 
 use super::errors::{fail, intern, record};
-use super::world::Peers;
+use super::net::Mesh;
+use super::world::{SplitChild, World};
 use super::{CONFIG_MAGIC, R, TICK};
 use crate::fault;
 use crate::{Table, id_to_ptr, new_id, ptr_to_id};
+
+/// Where a ready communicator's peers are.
+#[derive(Clone)]
+pub(super) enum Peers {
+    /// Threads of this process: the in-process world.
+    Local(Arc<World>),
+    /// Ranks of other processes (and maybe this one), over sockets.
+    Net(Arc<Mesh>),
+}
+
+impl Peers {
+    /// The in-process world, if that is where the peers are.
+    pub(super) fn local(&self) -> Option<&Arc<World>> {
+        match self {
+            Peers::Local(w) => Some(w),
+            Peers::Net(_) => None,
+        }
+    }
+}
 
 pub(super) struct CommSt {
     pub(super) rank: i32,
@@ -328,6 +348,16 @@ impl Comm {
             );
         }
         Ok(())
+    }
+}
+
+impl SplitChild for Comm {
+    fn device(&self) -> i32 {
+        self.device
+    }
+
+    fn join_local(&self, rank: i32, nranks: i32, world: Arc<World>) {
+        self.set_world(rank, nranks, Peers::Local(world));
     }
 }
 

@@ -14,12 +14,13 @@ use std::sync::atomic::AtomicBool;
 use nccl_sys::{ncclComm_t, ncclConfig_t, ncclResult_t, ncclUniqueId};
 use parking_lot::Mutex;
 
+use super::comm::Peers;
 use super::comm::{COMMS, Chain, Comm, init_config};
 use super::errors::{entry, err, fail, out, unimplemented};
 use super::group::{GROUP, grouped, in_group};
 use super::net::bootstrap::{InitErr, Remote};
 use super::net::{self, bootstrap};
-use super::world::{Peers, World};
+use super::world::World;
 use super::{R, VERSION};
 use crate::cuda::driver;
 use crate::fault::{self, Fault};

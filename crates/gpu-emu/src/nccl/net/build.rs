@@ -20,7 +20,7 @@ use super::mesh::{BYE_WAIT, Mesh};
 use super::routes::{self, Joining};
 use super::wire::{self, Frame};
 use crate::nccl::comm::Comm;
-use crate::nccl::world::Peers;
+use crate::nccl::comm::Peers;
 
 /// Builds the mesh of rank `me` on a thread of its own.
 pub(crate) fn spawn_build(

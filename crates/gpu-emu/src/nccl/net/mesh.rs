@@ -36,8 +36,8 @@ use parking_lot::{Condvar, Mutex};
 
 use super::Endpoint;
 use super::wire::{self, Frame, IO_TICK};
+use crate::nccl::coll::{CollErr, Desc, Kind, read, write_all};
 use crate::nccl::data::{Dt, reduce};
-use crate::nccl::world::{CollErr, Desc, Kind, read, write_all};
 
 /// How long a reader keeps draining its link after this rank closed.
 const DRAIN: Duration = Duration::from_secs(2);
