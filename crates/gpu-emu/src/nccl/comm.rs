@@ -16,7 +16,7 @@ use nccl_sys::{ncclComm, ncclComm_t, ncclConfig_t, ncclResult_t};
 use parking_lot::{Condvar, Mutex};
 
 use super::errors::{fail, intern, record};
-use super::net::Mesh;
+use super::net::{self, Endpoint, Joining, Mesh};
 use super::world::{SplitChild, World};
 use super::{CONFIG_MAGIC, R, TICK};
 use crate::fault;
@@ -309,6 +309,31 @@ impl Comm {
         self.set_async(code, msg);
         let _st = self.st.lock();
         self.cv.notify_all();
+    }
+
+    /// Builds this rank's mesh (rank `me` of `eps`, routing key `key`)
+    /// and makes the communicator ready over it, or failed; nothing when
+    /// it was aborted meanwhile (a mesh started just before the abort is
+    /// closed at once).
+    pub(super) fn build_mesh(
+        &self,
+        joining: Arc<Joining>,
+        key: u128,
+        me: usize,
+        eps: Vec<Endpoint>,
+    ) {
+        let stop = || self.aborted();
+        match net::build(joining, self.id, key, me, eps, &stop) {
+            Ok(mesh) => {
+                let n = mesh.eps.len();
+                self.set_world(me as i32, n as i32, Peers::Net(mesh.clone()));
+                if self.aborted() {
+                    mesh.close();
+                }
+            }
+            Err(None) => {}
+            Err(Some((code, msg))) => self.fail_init(code, &msg),
+        }
     }
 
     /// The init error of a communicator that is not ready, with its text

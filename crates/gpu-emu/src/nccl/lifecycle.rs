@@ -14,9 +14,9 @@ use std::sync::atomic::Ordering;
 
 use nccl_sys::{ncclComm_t, ncclResult_t};
 
+use super::bootstrap::unjoin;
 use super::comm::{ABORTED, COMMS, Comm, Peers, lookup, lookup_any};
 use super::errors::{entry, newest_error, out};
-use super::init::unjoin;
 use super::net;
 use super::{CALLS, TICK};
 use crate::{guard, ptr_to_id};

@@ -79,6 +79,7 @@ use std::time::Duration;
 
 use nccl_sys::ncclResult_t;
 
+mod bootstrap;
 mod coll;
 mod comm;
 mod data;

@@ -18,7 +18,7 @@ use super::R;
 use super::comm::{COMMS, Cfg, Chain, Comm, Peers, lookup, parse_config};
 use super::errors::{entry, err, fail};
 use super::group::{GROUP, grouped, in_group};
-use super::net::{self, Mesh};
+use super::net::{self, Endpoint, Joining, Mesh};
 use super::world::{Child, SplitEntry, World};
 use crate::put;
 
@@ -231,10 +231,65 @@ fn meet_net(
         return fail(code, msg);
     }
     match (child, joining) {
-        (Some(c), Some(j)) => {
-            net::build::spawn_child(mesh.clone(), c.clone(), j, ckey, seq, (color, key))
-        }
+        (Some(c), Some(j)) => spawn_child(mesh.clone(), c.clone(), j, ckey, seq, (color, key)),
         _ => mesh.discard_splits(seq),
     }
     Ok(())
+}
+
+/// Waits on a thread of its own for every rank's part in split `seq` of
+/// `parent`, then builds the mesh of the child of this rank's color:
+/// ranks ordered by (key, parent rank), each routed by its parent rank.
+fn spawn_child(
+    parent: Arc<Mesh>,
+    child: Arc<Comm>,
+    joining: Arc<Joining>,
+    key: u128,
+    seq: u64,
+    mine: (i32, i32),
+) {
+    let c = child.clone();
+    let spawned = std::thread::Builder::new()
+        .name("emu-nccl-split".into())
+        .spawn(move || {
+            let stop = || c.aborted();
+            let all = match parent.wait_splits(seq, mine, &stop) {
+                None => {
+                    net::forget(c.id);
+                    return;
+                }
+                Some(Err((code, msg))) => {
+                    net::forget(c.id);
+                    c.fail_init(code, &msg);
+                    return;
+                }
+                Some(Ok(all)) => all,
+            };
+            let mut members: Vec<(i32, usize)> = all
+                .iter()
+                .enumerate()
+                .filter(|(_, (color, _))| *color == mine.0)
+                .map(|(r, (_, k))| (*k, r))
+                .collect();
+            members.sort_unstable();
+            let me = members
+                .iter()
+                .position(|&(_, r)| r == parent.rank)
+                .unwrap_or(0);
+            let eps = members
+                .iter()
+                .map(|&(_, r)| Endpoint {
+                    slot: r as u32,
+                    ..parent.eps[r]
+                })
+                .collect();
+            c.build_mesh(joining, key, me, eps);
+        });
+    if let Err(e) = spawned {
+        net::forget(child.id);
+        child.fail_init(
+            ncclResult_t::ncclSystemError,
+            &format!("gpu-emu: cannot start the split thread: {e}"),
+        );
+    }
 }
