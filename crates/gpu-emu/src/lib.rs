@@ -39,14 +39,14 @@
 //!   `bf16_add_inplace` (`bf16(f32(dst) + f32(src))`, round to nearest
 //!   even) and the one-shot all-reduces of bf16, f16 and f32 (their push,
 //!   flag-free wait, rank-order f32 sum, clear and bounded spin over peer
-//!   memory; `one_shot`).
+//!   memory; `kernels::one_shot`).
 //! - **IPC**: `cuIpcGetMemHandle`, `cuIpcOpenMemHandle_v2` and
 //!   `cuIpcCloseMemHandle` between processes of this host (the exported
 //!   pages are a memfd's, mapped by the other process); a handle opened in
 //!   the process that made it is `CUDA_ERROR_INVALID_CONTEXT`, as the
 //!   driver answers; opens are counted, a stale handle is refused, and a
 //!   free of memory still mapped elsewhere is counted as a violation
-//!   (`ipc`).
+//!   (`cuda::ipc`).
 //! - **NCCL 2.28.3**: blocking and non-blocking init, split, groups, every
 //!   collective and send/recv, all data types but fp8, every built-in
 //!   reduction (16-bit floats are added in `f32` and rounded after each add,
@@ -126,6 +126,29 @@
 //! frees of memory another process still maps, since start).
 //! `METRALE_EMU_FAULTS="RANK:KIND@N;..."` (KIND one of `hang`, `async`,
 //! `initfail`, `nojoin`, `die`, `stall`) is read on first use.
+//!
+//! # Layout
+//! Laid out like what it emulates; each module's doc gives its own layout:
+//! - `cuda/`: the CUDA driver API (`driver`, `stream`, `event`, `graph`,
+//!   `memory/`, `ipc`, `errors`);
+//! - `kernels/`: the project's kernels and the module and launch entry
+//!   points that run them;
+//! - `nccl/`: NCCL's API, communicators and groups over two transports,
+//!   `world` (ranks in this process) and `net/` (ranks in several
+//!   processes) beneath them;
+//! - `fault`: fault injection and its control functions; `abi` (tests
+//!   only): every export has the signature the bindings expect.
+//!
+//! This file holds only what every module shares (handle ids and tables,
+//! the panic guard, out-parameters) and uses no module of its own. No
+//! import circles between the modules of one directory, nor between a
+//! module and its own file (`xtask/tests/imports.rs`).
+//!
+//! # Locks
+//! Each module doc states the order of its locks; across modules:
+//! `nccl`'s locks come before `cuda`'s (an operation's world or mesh state,
+//! then the memory registry), and the memory registry is the innermost
+//! lock of the crate. A [`Table`]'s lock is a leaf.
 //!
 //! # Invariants
 //! - No panic crosses the C boundary: every exported body runs under

@@ -26,6 +26,9 @@
 //! now) and `metrale_emu_ipc_violations()` (frees of memory still mapped,
 //! since the process started).
 //!
+//! The count of frees under another process's mapping is kept by
+//! `memory`, which makes the free.
+//!
 //! Invariant: the state's lock is never held while the allocation
 //! registry's is taken.
 

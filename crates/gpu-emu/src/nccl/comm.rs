@@ -1,4 +1,5 @@
-//! Communicators: their state, their strong-stream [`Chain`], the table of
+//! Communicators: their state, their strong-stream [`Chain`], where their
+//! peers are ([`Peers`]: the in-process world or a mesh), the table of
 //! live handles, and the parts of `ncclConfig_t` the emulator reads.
 //!
 //! Invariants: a handle is an id in [`COMMS`] until it is destroyed or
@@ -6,6 +7,12 @@
 //! a communicator's launches take tickets of its chain in issue order, and
 //! a ticket is done when its work has run or been dropped, so an abort
 //! never leaves the chain blocked.
+//!
+//! Lock order: a communicator's `splitting`, then a child's `st` (an abort
+//! wakes the children of its splits under it); `st`, then the error texts'
+//! locks (`errors`: an error is recorded while it is held). `p2p_seq`, a
+//! chain's state, and the tables' locks are leaves. Others take `st` after
+//! their own lock (the bootstrap registry, a `World`), never before.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::{CStr, c_int};

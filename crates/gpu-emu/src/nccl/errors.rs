@@ -8,7 +8,8 @@
 //! the C boundary (`entry`). `ncclGetLastError`, which needs the
 //! communicator table, is answered by `lifecycle` through
 //! [`newest_error`]. The interned texts' lock and the last error's are
-//! leaves, each taken alone.
+//! leaves: one is never held while the other, or anything else, is taken
+//! (they may be taken while a communicator's state is held).
 
 use std::collections::BTreeMap;
 use std::ffi::{CStr, c_char};

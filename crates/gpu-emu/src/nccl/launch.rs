@@ -7,6 +7,8 @@
 //! runs or is dropped; its work first waits for its turn on the chain and
 //! ends unrun, touching no memory, when its communicator is aborted first;
 //! a background enqueue drops the work of a communicator aborted meanwhile.
+//! A group [`Join`]'s lock is a leaf; a launch takes the communicator's
+//! state and its world's one after the other, never together.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

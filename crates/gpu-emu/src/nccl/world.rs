@@ -9,7 +9,15 @@
 //! (in-place works), and no output is written once a participant has
 //! aborted, so an aborted rank's buffers are never touched after
 //! `ncclCommAbort` returns. Every access to device memory goes through
-//! `memory::access`, all or nothing.
+//! `memory::access`, all or nothing. The world knows no communicator: a
+//! split's children are [`SplitChild`]ren, which the last rank to arrive
+//! gives their own worlds.
+//!
+//! Lock order: the world's state, then the memory registry (an
+//! operation's reads and writes run under it) or a split child's
+//! `Comm::st` (the child's world is set under it). No one holds another
+//! lock while taking it (a launch or an abort releases its
+//! communicator's state first).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -12,7 +12,9 @@
 //! Invariants: the listener is started once per process and lives as long
 //! as it; one connection's handshake (preamble and first frame) is bounded
 //! by [`HANDSHAKE`]; a link is handed over only after its `HelloOk` was
-//! written, and a `Hello` nobody expects is refused, never parked.
+//! written, and a `Hello` nobody expects is refused, never parked. The
+//! routes' lock and a [`Joining`]'s links are leaves, never held together
+//! (a route is looked up and released before its links are locked).
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
