@@ -7,10 +7,14 @@
 
 #![allow(dead_code)]
 
-use crate::driver::*;
-use crate::ipc::*;
-use crate::kernels::*;
-use crate::memory::*;
+use crate::cuda::driver::*;
+use crate::cuda::event::*;
+use crate::cuda::graph::*;
+use crate::cuda::ipc::*;
+use crate::cuda::memory::allocate::*;
+use crate::cuda::memory::copy::*;
+use crate::cuda::stream::*;
+use crate::kernels::module::*;
 use crate::nccl::errors::*;
 use crate::nccl::group::*;
 use crate::nccl::init::*;
@@ -18,7 +22,6 @@ use crate::nccl::lifecycle::*;
 use crate::nccl::ops::*;
 use crate::nccl::reg::*;
 use crate::nccl::split::*;
-use crate::stream::*;
 
 fn same<T, E>(_: &Result<T, E>, _: T) {}
 

@@ -7,9 +7,16 @@
 //! shift it. Operation faults count the collectives and send/recv launched
 //! by communicators of that rank, on any communicator, at launch; a `stall`
 //! counts the rank's enqueue calls on blocking communicators (a collective,
-//! a send/recv, or a group end with work), taken in the call.
+//! a send/recv, or a group end with work), taken in the call. The list's
+//! lock is a leaf, taken with no other lock held (at an init, a launch,
+//! an enqueue call).
+//!
+//! Control functions: `metrale_emu_inject(rank, fault, nth)` and
+//! `metrale_emu_reset()`.
 
 use parking_lot::Mutex;
+
+use crate::guard;
 
 /// A fault the emulator can inject into one rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -153,6 +160,18 @@ pub(crate) fn take_init(rank: i32) -> Option<Fault> {
 /// the fault was added.
 pub(crate) fn take_stall(rank: i32) -> bool {
     count_down(|e| e.rank == rank && e.fault == Fault::Stall).is_some()
+}
+
+/// Injects a fault; see [`Fault`]. Returns 0, or -1 on a bad argument.
+#[unsafe(no_mangle)]
+pub extern "C" fn metrale_emu_inject(rank: i32, fault: i32, nth: u64) -> i32 {
+    guard(-1, || inject(rank, fault, nth))
+}
+
+/// Clears every injected fault.
+#[unsafe(no_mangle)]
+pub extern "C" fn metrale_emu_reset() {
+    guard((), reset)
 }
 
 #[cfg(test)]

@@ -39,14 +39,14 @@
 //!   `bf16_add_inplace` (`bf16(f32(dst) + f32(src))`, round to nearest
 //!   even) and the one-shot all-reduces of bf16, f16 and f32 (their push,
 //!   flag-free wait, rank-order f32 sum, clear and bounded spin over peer
-//!   memory; `one_shot`).
+//!   memory; `kernels::one_shot`).
 //! - **IPC**: `cuIpcGetMemHandle`, `cuIpcOpenMemHandle_v2` and
 //!   `cuIpcCloseMemHandle` between processes of this host (the exported
 //!   pages are a memfd's, mapped by the other process); a handle opened in
 //!   the process that made it is `CUDA_ERROR_INVALID_CONTEXT`, as the
 //!   driver answers; opens are counted, a stale handle is refused, and a
 //!   free of memory still mapped elsewhere is counted as a violation
-//!   (`ipc`).
+//!   (`cuda::ipc`).
 //! - **NCCL 2.28.3**: blocking and non-blocking init, split, groups, every
 //!   collective and send/recv, all data types but fp8, every built-in
 //!   reduction (16-bit floats are added in `f32` and rounded after each add,
@@ -127,6 +127,29 @@
 //! `METRALE_EMU_FAULTS="RANK:KIND@N;..."` (KIND one of `hang`, `async`,
 //! `initfail`, `nojoin`, `die`, `stall`) is read on first use.
 //!
+//! # Layout
+//! Laid out like what it emulates; each module's doc gives its own layout:
+//! - `cuda/`: the CUDA driver API (`driver`, `stream`, `event`, `graph`,
+//!   `memory/`, `ipc`, `errors`);
+//! - `kernels/`: the project's kernels and the module and launch entry
+//!   points that run them;
+//! - `nccl/`: NCCL's API, communicators and groups over two transports,
+//!   `world` (ranks in this process) and `net/` (ranks in several
+//!   processes) beneath them;
+//! - `fault`: fault injection and its control functions; `abi` (tests
+//!   only): every export has the signature the bindings expect.
+//!
+//! This file holds only what every module shares (handle ids and tables,
+//! the panic guard, out-parameters) and uses no module of its own. No
+//! import circles between the modules of one directory, nor between a
+//! module and its own file (`xtask/tests/imports.rs`).
+//!
+//! # Locks
+//! Each module doc states the order of its locks; across modules:
+//! `nccl`'s locks come before `cuda`'s (an operation's world or mesh state,
+//! then the memory registry), and the memory registry is the innermost
+//! lock of the crate. A [`Table`]'s lock is a leaf.
+//!
 //! # Invariants
 //! - No panic crosses the C boundary: every exported body runs under
 //!   `catch_unwind` and a panic becomes an error code.
@@ -141,16 +164,10 @@
 
 #[cfg(test)]
 mod abi;
-mod driver;
-mod errors;
+mod cuda;
 mod fault;
-mod host;
-mod ipc;
 mod kernels;
-mod memory;
 mod nccl;
-mod one_shot;
-mod stream;
 
 use std::collections::BTreeMap;
 use std::panic::AssertUnwindSafe;
@@ -178,7 +195,8 @@ pub(crate) fn new_id() -> u64 {
     NEXT_ID.fetch_add(0x10, Ordering::Relaxed)
 }
 
-/// A table of live objects by handle id.
+/// A table of live objects by handle id. Its lock is held for one map
+/// operation at a time and is a leaf: nothing else is locked under it.
 pub(crate) struct Table<T> {
     map: Mutex<BTreeMap<u64, Arc<T>>>,
 }
@@ -231,22 +249,4 @@ pub(crate) unsafe fn put<T>(p: *mut T, v: T) -> bool {
     // SAFETY: `p` is not null and valid for a write (this function's contract).
     unsafe { p.write_unaligned(v) };
     true
-}
-
-/// Injects a fault; see [`Fault`]. Returns 0, or -1 on a bad argument.
-#[unsafe(no_mangle)]
-pub extern "C" fn metrale_emu_inject(rank: i32, fault: i32, nth: u64) -> i32 {
-    guard(-1, || fault::inject(rank, fault, nth))
-}
-
-/// Clears every injected fault.
-#[unsafe(no_mangle)]
-pub extern "C" fn metrale_emu_reset() {
-    guard((), fault::reset)
-}
-
-/// The number of NCCL API calls made so far in this process.
-#[unsafe(no_mangle)]
-pub extern "C" fn metrale_emu_nccl_calls() -> u64 {
-    nccl::calls()
 }

@@ -1,108 +1,31 @@
 //! Communicators whose ranks are separate processes: this test binary runs
-//! itself as the other ranks (the `child` test, which does nothing unless
-//! `GPU_EMU_PROC_ROLE` says what to do; the unique id and the data seed
-//! travel in the environment). Every operation across three processes
+//! itself as the other ranks (`common::procs`). Every operation across
+//! three processes
 //! against host references (random non-zero data, poisoned outputs, every
 //! element checked, payloads past one wire chunk), a split across
 //! processes, a peer killed in the middle of a collective (the survivor's
 //! work ends with `ncclRemoteError`), a peer that destroyed its
 //! communicator (the survivor blocks until it aborts), a fault named by
 //! rank in `METRALE_EMU_FAULTS` acting in that rank's process, an id
-//! whose root process is gone (init fails at once), and CUDA IPC between
-//! processes (the same bytes both ways, a second open sharing the mapping,
-//! stale handles and the exporter's own refused, a free under another
-//! process's mapping counted).
+//! whose root process is gone (init fails at once). CUDA IPC between
+//! processes is `ipc.rs`.
 //!
 //! Invariant: every wait for a child or a stream has a deadline, and a
 //! child is killed when a test gives up on it.
 
 mod common;
 
-use std::ffi::{c_char, c_void};
-use std::process::{Child, Command, Stdio};
+use std::ffi::c_void;
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
+use common::procs::{ID, ROLE, SEED, child_role, id_hex, id_unhex, spawn, spawn_with, wait_ok};
 use common::*;
-use cuda_sys::ipc::{CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, CUipcMemHandle};
 use cuda_sys::{CUdeviceptr, CUresult, CUstream};
-use nccl_sys::{
-    call, ncclComm_t, ncclConfig_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclUniqueId,
-};
+use nccl_sys::{call, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclUniqueId};
 use rand::{Rng, SeedableRng};
 
-const ROLE: &str = "GPU_EMU_PROC_ROLE";
-const ID: &str = "GPU_EMU_PROC_ID";
-const SEED: &str = "GPU_EMU_PROC_SEED";
 const F32: ncclDataType_t = ncclDataType_t::ncclFloat32;
-/// The IPC test's handles (hex) and the file the holder creates.
-const HANDLES: &str = "GPU_EMU_PROC_HANDLES";
-const READY: &str = "GPU_EMU_PROC_READY";
-/// Bytes of the IPC test's buffer: not a whole number of pages.
-const IPC_BYTES: usize = 3 * 4096 + 1000;
-
-/// `bytes` as hex, two digits each.
-fn hex(bytes: &[c_char]) -> String {
-    bytes.iter().map(|b| format!("{:02x}", *b as u8)).collect()
-}
-
-/// Fills `out` from [`hex`]'s text.
-fn unhex(s: &str, out: &mut [c_char]) {
-    for (i, b) in out.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("hex") as _;
-    }
-}
-
-fn id_hex(id: &ncclUniqueId) -> String {
-    hex(&id.internal)
-}
-
-fn id_unhex(s: &str) -> ncclUniqueId {
-    let mut id = ncclUniqueId::default();
-    unhex(s, &mut id.internal);
-    id
-}
-
-/// Runs this binary's `child` test as `role` for rank `rank` of `n`.
-fn spawn(role: &str, rank: usize, n: usize, id: &ncclUniqueId, seed: u64) -> Child {
-    spawn_with(role, rank, n, id, seed, &[])
-}
-
-/// [`spawn`] with extra environment variables.
-fn spawn_with(
-    role: &str,
-    rank: usize,
-    n: usize,
-    id: &ncclUniqueId,
-    seed: u64,
-    env: &[(&str, &str)],
-) -> Child {
-    Command::new(std::env::current_exe().expect("current exe"))
-        .envs(env.iter().copied())
-        .args(["--exact", "child", "--nocapture", "--test-threads", "1"])
-        .env(ROLE, format!("{role}:{rank}:{n}"))
-        .env(ID, id_hex(id))
-        .env(SEED, seed.to_string())
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("spawning a rank process")
-}
-
-/// Waits for `c` to exit successfully within `limit` (killing it if not).
-fn wait_ok(c: &mut Child, limit: Duration) {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(st) = c.try_wait().expect("try_wait") {
-            assert!(st.success(), "a rank process failed: {st}");
-            return;
-        }
-        if Instant::now() > deadline {
-            let _ = c.kill();
-            let _ = c.wait();
-            panic!("a rank process did not finish within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
 
 /// Waits until `s` has no pending work (5 s deadline) and returns its
 /// state.
@@ -143,16 +66,6 @@ fn sum(parts: &[&[f32]]) -> Vec<f32> {
         }
     }
     acc
-}
-
-fn nonblocking_config() -> ncclConfig_t {
-    ncclConfig_t {
-        size: size_of::<ncclConfig_t>(),
-        magic: 0xcafe_beef,
-        version: 22803,
-        blocking: 0,
-        ..Default::default()
-    }
 }
 
 /// Joins rank `r` of `n`; rank 0 through a non-blocking init polled to
@@ -533,19 +446,9 @@ fn one_all_reduce(comm: ncclComm_t, s: CUstream, r: usize, seed: u64) {
 /// What a child process does.
 #[test]
 fn child() {
-    let Ok(spec) = std::env::var(ROLE) else {
+    let Some((role, rank, n, id, seed)) = child_role() else {
         return;
     };
-    let mut it = spec.split(':');
-    let role = it.next().unwrap_or_default().to_string();
-    let mut num = || {
-        it.next()
-            .and_then(|v| v.parse::<usize>().ok())
-            .expect("role spec")
-    };
-    let (rank, n) = (num(), num());
-    let id = id_unhex(&std::env::var(ID).expect("id"));
-    let seed: u64 = std::env::var(SEED).expect("seed").parse().expect("seed");
     match role.as_str() {
         "every" => every_operation(rank, n, id, seed),
         "killed" | "leaves" => {
@@ -576,159 +479,12 @@ fn child() {
             );
             nck(abort(comm));
         }
-        "ipc" | "ipc_hold" => ipc_child(&role, seed),
         "make_id" => {
             cuda();
             println!("ID={}", id_hex(&unique_id()));
         }
         other => panic!("unknown role {other}"),
     }
-}
-
-fn handle_unhex(s: &str) -> CUipcMemHandle {
-    let mut h = CUipcMemHandle { reserved: [0; 64] };
-    unhex(s, &mut h.reserved);
-    h
-}
-
-fn ipc_export(p: CUdeviceptr) -> CUipcMemHandle {
-    let mut h = CUipcMemHandle { reserved: [0; 64] };
-    // SAFETY: `h` is a valid out-parameter.
-    ck(unsafe { call!(cuda_sys::ipc::ipc().unwrap(), cuIpcGetMemHandle(&mut h, p)) }.unwrap());
-    h
-}
-
-fn ipc_open(h: CUipcMemHandle) -> Result<CUdeviceptr, CUresult> {
-    let mut p = 0;
-    // SAFETY: `p` is a valid out-parameter.
-    let rc = unsafe {
-        call!(
-            cuda_sys::ipc::ipc().unwrap(),
-            cuIpcOpenMemHandle_v2(&mut p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
-        )
-    }
-    .unwrap();
-    if rc == CUresult::CUDA_SUCCESS {
-        Ok(p)
-    } else {
-        Err(rc)
-    }
-}
-
-fn ipc_close(p: CUdeviceptr) -> CUresult {
-    // SAFETY: plain value.
-    unsafe { call!(cuda_sys::ipc::ipc().unwrap(), cuIpcCloseMemHandle(p)) }.unwrap()
-}
-
-/// The IPC test's data: random non-zero bytes of `seed`.
-fn ipc_data(seed: u64, salt: u64) -> Vec<u8> {
-    let mut g = rand::rngs::StdRng::seed_from_u64(seed ^ salt);
-    (0..IPC_BYTES).map(|_| g.random_range(1..=255u8)).collect()
-}
-
-/// The IPC test's other process: `ipc` opens the parent's export (twice,
-/// one mapping), checks its bytes, writes the second half, tries a stale
-/// handle, and closes; `ipc_hold` opens it, says so with a file, and waits
-/// to be killed.
-fn ipc_child(role: &str, seed: u64) {
-    set_device(1);
-    let hs: Vec<CUipcMemHandle> = std::env::var(HANDLES)
-        .expect("handles")
-        .split(',')
-        .map(handle_unhex)
-        .collect();
-    let p = ipc_open(hs[0]).expect("open the parent's export");
-    if role == "ipc_hold" {
-        std::fs::write(std::env::var(READY).expect("ready file"), b"1").expect("ready");
-        std::thread::sleep(Duration::from_secs(60));
-        std::process::exit(3);
-    }
-    assert_eq!(ipc_open(hs[0]), Ok(p), "a second open shares the mapping");
-    assert_eq!(ipc_open_mappings(), 2);
-    let want = ipc_data(seed, 1);
-    assert_eq!(download::<u8>(p, IPC_BYTES), want, "the exporter's bytes");
-    let half = IPC_BYTES / 2;
-    upload(p + half as u64, &ipc_data(seed, 2)[half..]);
-    assert_eq!(
-        ipc_open(hs[1]),
-        Err(CUresult::CUDA_ERROR_INVALID_HANDLE),
-        "a handle of memory freed since"
-    );
-    // Past its end: the mapping has the allocation's length.
-    assert_eq!(
-        try_upload(p + IPC_BYTES as u64 - 4, &[0u8; 8]),
-        CUresult::CUDA_ERROR_INVALID_VALUE
-    );
-    assert_eq!(
-        try_free(p),
-        CUresult::CUDA_ERROR_INVALID_VALUE,
-        "not ours to free"
-    );
-    ck(ipc_close(p));
-    assert_eq!(ipc_open_mappings(), 1);
-    ck(ipc_close(p));
-    assert_eq!(ipc_open_mappings(), 0);
-    assert_eq!(ipc_close(p), CUresult::CUDA_ERROR_INVALID_VALUE);
-    assert_eq!(ipc_violations(), 0);
-}
-
-#[test]
-fn ipc_maps_the_same_bytes_in_another_process() {
-    set_device(0);
-    let seed: u64 = rand::random();
-    let a = alloc(IPC_BYTES);
-    upload(a, &ipc_data(seed, 1));
-    let h = ipc_export(a);
-    assert_eq!(ipc_export(a), h, "one export per allocation");
-    assert_eq!(
-        ipc_open(h),
-        Err(CUresult::CUDA_ERROR_INVALID_CONTEXT),
-        "the driver opens no handle in the process that made it"
-    );
-    let gone = alloc(4096);
-    let stale = ipc_export(gone);
-    free(gone);
-    let handles = format!("{},{}", hex(&h.reserved), hex(&stale.reserved));
-    let id = ncclUniqueId::default();
-    let mut kid = spawn_with("ipc", 1, 2, &id, seed, &[(HANDLES, handles.as_str())]);
-    wait_ok(&mut kid, Duration::from_secs(30));
-    let half = IPC_BYTES / 2;
-    let got = download::<u8>(a, IPC_BYTES);
-    assert_eq!(
-        got[..half],
-        ipc_data(seed, 1)[..half],
-        "the first half is ours"
-    );
-    assert_eq!(got[half..], ipc_data(seed, 2)[half..], "the child's writes");
-
-    // A free while another process holds a mapping is counted.
-    let ready = std::env::temp_dir().join(format!("gpu-emu-ipc-ready-{}", std::process::id()));
-    let _ = std::fs::remove_file(&ready);
-    let mut holder = spawn_with(
-        "ipc_hold",
-        1,
-        2,
-        &id,
-        seed,
-        &[
-            (HANDLES, handles.as_str()),
-            (READY, ready.to_str().expect("path")),
-        ],
-    );
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !ready.exists() {
-        if Instant::now() > deadline || holder.try_wait().expect("try_wait").is_some() {
-            let _ = holder.kill();
-            panic!("the holder did not map the export");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let before = ipc_violations();
-    free(a);
-    assert_eq!(ipc_violations(), before + 1);
-    let _ = holder.kill();
-    let _ = holder.wait();
-    let _ = std::fs::remove_file(&ready);
 }
 
 #[test]

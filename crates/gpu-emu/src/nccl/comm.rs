@@ -1,4 +1,5 @@
-//! Communicators: their state, their strong-stream [`Chain`], the table of
+//! Communicators: their state, their strong-stream [`Chain`], where their
+//! peers are ([`Peers`]: the in-process world or a mesh), the table of
 //! live handles, and the parts of `ncclConfig_t` the emulator reads.
 //!
 //! Invariants: a handle is an id in [`COMMS`] until it is destroyed or
@@ -6,6 +7,12 @@
 //! a communicator's launches take tickets of its chain in issue order, and
 //! a ticket is done when its work has run or been dropped, so an abort
 //! never leaves the chain blocked.
+//!
+//! Lock order: a communicator's `splitting`, then a child's `st` (an abort
+//! wakes the children of its splits under it); `st`, then the error texts'
+//! locks (`errors`: an error is recorded while it is held). `p2p_seq`, a
+//! chain's state, and the tables' locks are leaves. Others take `st` after
+//! their own lock (the bootstrap registry, a `World`), never before.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::{CStr, c_int};
@@ -16,10 +23,30 @@ use nccl_sys::{ncclComm, ncclComm_t, ncclConfig_t, ncclResult_t};
 use parking_lot::{Condvar, Mutex};
 
 use super::errors::{fail, intern, record};
-use super::world::Peers;
+use super::net::{self, Endpoint, Joining, Mesh};
+use super::world::{SplitChild, World};
 use super::{CONFIG_MAGIC, R, TICK};
 use crate::fault;
 use crate::{Table, id_to_ptr, new_id, ptr_to_id};
+
+/// Where a ready communicator's peers are.
+#[derive(Clone)]
+pub(super) enum Peers {
+    /// Threads of this process: the in-process world.
+    Local(Arc<World>),
+    /// Ranks of other processes (and maybe this one), over sockets.
+    Net(Arc<Mesh>),
+}
+
+impl Peers {
+    /// The in-process world, if that is where the peers are.
+    pub(super) fn local(&self) -> Option<&Arc<World>> {
+        match self {
+            Peers::Local(w) => Some(w),
+            Peers::Net(_) => None,
+        }
+    }
+}
 
 pub(super) struct CommSt {
     pub(super) rank: i32,
@@ -291,6 +318,31 @@ impl Comm {
         self.cv.notify_all();
     }
 
+    /// Builds this rank's mesh (rank `me` of `eps`, routing key `key`)
+    /// and makes the communicator ready over it, or failed; nothing when
+    /// it was aborted meanwhile (a mesh started just before the abort is
+    /// closed at once).
+    pub(super) fn build_mesh(
+        &self,
+        joining: Arc<Joining>,
+        key: u128,
+        me: usize,
+        eps: Vec<Endpoint>,
+    ) {
+        let stop = || self.aborted();
+        match net::build(joining, self.id, key, me, eps, &stop) {
+            Ok(mesh) => {
+                let n = mesh.eps.len();
+                self.set_world(me as i32, n as i32, Peers::Net(mesh.clone()));
+                if self.aborted() {
+                    mesh.close();
+                }
+            }
+            Err(None) => {}
+            Err(Some((code, msg))) => self.fail_init(code, &msg),
+        }
+    }
+
     /// The init error of a communicator that is not ready, with its text
     /// recorded as the calling thread's last error.
     pub(super) fn init_error(&self) -> Option<ncclResult_t> {
@@ -328,6 +380,16 @@ impl Comm {
             );
         }
         Ok(())
+    }
+}
+
+impl SplitChild for Comm {
+    fn device(&self) -> i32 {
+        self.device
+    }
+
+    fn join_local(&self, rank: i32, nranks: i32, world: Arc<World>) {
+        self.set_world(rank, nranks, Peers::Local(world));
     }
 }
 

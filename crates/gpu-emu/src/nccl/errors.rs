@@ -5,18 +5,21 @@
 //! process, so `ncclGetLastError` hands out static C strings; each error
 //! takes a place in one process-wide order, so the newer of a
 //! communicator's and a thread's last error can be told; no panic crosses
-//! the C boundary (`entry`).
+//! the C boundary (`entry`). `ncclGetLastError`, which needs the
+//! communicator table, is answered by `lifecycle` through
+//! [`newest_error`]. The interned texts' lock and the last error's are
+//! leaves: one is never held while the other, or anything else, is taken
+//! (they may be taken while a communicator's state is held).
 
 use std::collections::BTreeMap;
 use std::ffi::{CStr, c_char};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use nccl_sys::{ncclComm_t, ncclResult_t};
+use nccl_sys::ncclResult_t;
 use parking_lot::Mutex;
 
-use super::comm::COMMS;
 use super::{CALLS, R};
-use crate::{guard, ptr_to_id, put};
+use crate::put;
 
 pub(super) static INTERNED: Mutex<BTreeMap<String, &'static CStr>> = Mutex::new(BTreeMap::new());
 pub(super) static LAST: Mutex<&'static CStr> = Mutex::new(c"");
@@ -26,6 +29,17 @@ thread_local! {
     /// The calling thread's last error, with its place in the error order.
     static THREAD_LAST: std::cell::Cell<Option<(u64, &'static CStr)>> =
         const { std::cell::Cell::new(None) };
+}
+
+/// The newer of `own` (a communicator's last error) and the calling
+/// thread's last error, else the process's.
+pub(super) fn newest_error(own: Option<(u64, &'static CStr)>) -> &'static CStr {
+    let mine = THREAD_LAST.with(std::cell::Cell::get);
+    let newest = match (own, mine) {
+        (Some(a), Some(b)) => Some(if a.0 > b.0 { a } else { b }),
+        (a, b) => a.or(b),
+    };
+    newest.map_or_else(|| *LAST.lock(), |(_, m)| m)
 }
 
 /// Records `m` as the process's and the calling thread's last error;
@@ -107,24 +121,4 @@ pub extern "C" fn ncclGetErrorString(result: ncclResult_t) -> *const c_char {
         _ => c"unknown result code",
     };
     s.as_ptr()
-}
-
-/// `ncclGetLastError`: the newer of the communicator's last asynchronous
-/// error and the calling thread's last error, else the process's; a static
-/// NUL-terminated string.
-#[unsafe(no_mangle)]
-pub extern "C" fn ncclGetLastError(comm: ncclComm_t) -> *const c_char {
-    CALLS.fetch_add(1, Ordering::Relaxed);
-    guard(c"".as_ptr(), || {
-        let own = (!comm.is_null())
-            .then(|| COMMS.get(ptr_to_id(comm)))
-            .flatten()
-            .and_then(|c| c.st.lock().last);
-        let mine = THREAD_LAST.with(std::cell::Cell::get);
-        let newest = match (own, mine) {
-            (Some(a), Some(b)) => Some(if a.0 > b.0 { a } else { b }),
-            (a, b) => a.or(b),
-        };
-        newest.map_or_else(|| *LAST.lock(), |(_, m)| m).as_ptr()
-    })
 }

@@ -20,7 +20,7 @@ use super::errors::{entry, err, fail, unimplemented};
 use super::launch::{
     Body, Captured, Job, Join, Need, Tickets, defer, group_launcher, launch, sequence,
 };
-use crate::stream::{self, Target, Work};
+use crate::cuda::stream::{self, Target, Work};
 
 pub(super) struct GroupItem {
     pub(super) target: Target,

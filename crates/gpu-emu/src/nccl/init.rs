@@ -1,132 +1,24 @@
-//! Unique ids and rank inits: `ncclGetUniqueId`, `ncclCommInitRank`,
-//! `ncclCommInitRankConfig`, `ncclCommInitAll`, and the process-wide
-//! registry where the ranks of one unique id meet.
+//! Unique ids and rank inits: `ncclGetVersion`, `ncclGetUniqueId`,
+//! `ncclCommInitRank`, `ncclCommInitRankConfig`, `ncclCommInitAll`; the
+//! ranks meet through `bootstrap`.
 //!
-//! Invariants: a rank joins its id's registry entry once; the last rank to
-//! join completes the world of every member; an init fault is taken before
-//! the rank registers, so a rank that never joins leaves no trace.
+//! Invariants: an init fault is taken before the rank registers, so a
+//! rank that never joins leaves no trace; a blocking init returns once
+//! the communicator is ready (or failed), a non-blocking one at once
+//! (`ncclInProgress`), one in a group at the group's end.
 
-use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int};
-use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 
 use nccl_sys::{ncclComm_t, ncclConfig_t, ncclResult_t, ncclUniqueId};
-use parking_lot::Mutex;
 
+use super::bootstrap::{self, Member, fresh_id, join, key_of, parse_id};
 use super::comm::{COMMS, Chain, Comm, init_config};
 use super::errors::{entry, err, fail, out, unimplemented};
 use super::group::{GROUP, grouped, in_group};
-use super::net::bootstrap::{InitErr, Remote};
-use super::net::{self, bootstrap};
-use super::world::{Peers, World};
 use super::{R, VERSION};
+use crate::cuda::driver;
 use crate::fault::{self, Fault};
-use crate::{driver, put};
-
-/// A rank registered with an id of this process.
-pub(super) enum Member {
-    /// A rank of this process.
-    Local(Arc<Comm>),
-    /// A rank of another process, registered through the listener.
-    Remote(Remote),
-}
-
-pub(super) struct Pending {
-    pub(super) nranks: i32,
-    pub(super) members: Vec<Option<Member>>,
-}
-
-pub(super) static PENDING: Mutex<BTreeMap<[u8; 128], Pending>> = Mutex::new(BTreeMap::new());
-
-pub(super) fn key_of(id: &ncclUniqueId) -> [u8; 128] {
-    id.internal.map(|c| c as u8)
-}
-
-/// Adds rank `rank` to the ranks of `key`; the last to join completes the
-/// world: an in-process one when every rank is of this process (under
-/// the registry's lock), else the mesh of every rank (after it).
-pub(super) fn join(key: [u8; 128], nranks: i32, rank: i32, m: Member) -> Result<(), InitErr> {
-    let invalid = |m: String| Err((ncclResult_t::ncclInvalidArgument, m));
-    if nranks < 1 || rank < 0 || rank >= nranks {
-        return invalid(format!("rank {rank} is out of range for {nranks} ranks"));
-    }
-    let mut p = PENDING.lock();
-    let e = p.entry(key).or_insert_with(|| Pending {
-        nranks,
-        members: std::iter::repeat_with(|| None)
-            .take(nranks as usize)
-            .collect(),
-    });
-    if e.nranks != nranks {
-        return invalid(format!(
-            "nranks {nranks} differs from {} of other ranks",
-            e.nranks
-        ));
-    }
-    let slot = &mut e.members[rank as usize];
-    if slot.is_some() {
-        return invalid(format!("rank {rank} joined twice"));
-    }
-    *slot = Some(m);
-    if !e.members.iter().all(Option::is_some) {
-        return Ok(());
-    }
-    let members: Vec<Member> = p
-        .remove(&key)
-        .map(|e| e.members.into_iter().flatten().collect())
-        .unwrap_or_default();
-    let local: Option<Vec<Arc<Comm>>> = members
-        .iter()
-        .map(|m| match m {
-            Member::Local(c) => Some(c.clone()),
-            Member::Remote(_) => None,
-        })
-        .collect();
-    match local {
-        Some(comms) => {
-            let w = World::new(comms.iter().map(|c| c.device).collect());
-            for (r, c) in comms.into_iter().enumerate() {
-                c.set_world(r as i32, nranks, Peers::Local(w.clone()));
-            }
-        }
-        None => {
-            drop(p);
-            let route = net::parse_id(&key).map_or(0, |i| i.key);
-            bootstrap::start_world(route, members);
-        }
-    }
-    Ok(())
-}
-
-/// Takes a rank of this process whose init ends unfinished out of the
-/// registry.
-pub(super) fn unjoin(comm: &Arc<Comm>) {
-    let mut p = PENDING.lock();
-    p.retain(|_, e| {
-        for m in e.members.iter_mut() {
-            if matches!(m, Some(Member::Local(x)) if Arc::ptr_eq(x, comm)) {
-                *m = None;
-            }
-        }
-        e.members.iter().any(Option::is_some)
-    });
-}
-
-/// Takes rank `rank` of another process, registered under `token`, out of
-/// the registry of `key` (its registration ended before the table).
-pub(super) fn withdraw(key: &[u8; 128], rank: usize, token: &Arc<AtomicBool>) {
-    let mut p = PENDING.lock();
-    let Some(e) = p.get_mut(key) else { return };
-    if let Some(m @ Some(Member::Remote(_))) = e.members.get_mut(rank)
-        && matches!(m, Some(Member::Remote(x)) if Arc::ptr_eq(&x.token, token))
-    {
-        *m = None;
-    }
-    if e.members.iter().all(Option::is_none) {
-        p.remove(key);
-    }
-}
+use crate::put;
 
 /// `ncclGetVersion`: 22803.
 ///
@@ -150,7 +42,7 @@ pub unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> ncclResult_t {
 pub unsafe extern "C" fn ncclGetUniqueId(id: *mut ncclUniqueId) -> ncclResult_t {
     entry(|| {
         let v = ncclUniqueId {
-            internal: net::fresh_id().map(|b| b as c_char),
+            internal: fresh_id().map(|b| b as c_char),
         };
         // SAFETY: `id` is null or valid (this function's contract).
         unsafe { out(id, v, "uniqueId") }?;
@@ -196,7 +88,7 @@ pub(super) unsafe fn init_rank(
     let comm = Comm::new(device, cfg, Chain::new(), ghost, rank, nranks);
     if !ghost {
         let key = key_of(id);
-        let joined = match net::parse_id(&key) {
+        let joined = match parse_id(&key) {
             Some(info) if !info.is_mine() => {
                 bootstrap::join_via_root(&comm, info, key, nranks as usize, rank as usize)
             }

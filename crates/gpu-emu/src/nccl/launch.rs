@@ -7,6 +7,8 @@
 //! runs or is dropped; its work first waits for its turn on the chain and
 //! ends unrun, touching no memory, when its communicator is aborted first;
 //! a background enqueue drops the work of a communicator aborted meanwhile.
+//! A group [`Join`]'s lock is a leaf; a launch takes the communicator's
+//! state and its world's one after the other, never together.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -14,18 +16,16 @@ use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
-use cuda_sys::cudaStream_t;
 use nccl_sys::ncclResult_t;
 
-use super::comm::{Comm, Inflight, Ticket};
+use super::coll::Desc;
+use super::comm::{Comm, Inflight, Peers, Ticket};
 use super::data::Dt;
-use super::errors::err;
-use super::group::{GROUP, GroupItem, in_group};
-use super::world::{Desc, Peers, World, run_coll, run_recv, run_send};
-use super::{POLL, R, TICK};
-use crate::driver;
+use super::world::{World, run_coll, run_recv, run_send};
+use super::{POLL, TICK};
+use crate::cuda::driver;
+use crate::cuda::stream::{self, Launcher, Target, Work};
 use crate::fault::{self, Fault};
-use crate::stream::{self, Launcher, Target, Work};
 
 pub(super) enum Body {
     Coll(Desc),
@@ -411,49 +411,4 @@ pub(super) fn run(comm: &Arc<Comm>, seq: u64, f: Option<Fault>, body: &Body) {
         Some(Err((code, msg))) => comm.set_async(code, &msg),
         _ => {}
     }
-}
-
-/// Launches (or groups) an operation of `comm` on `stream`. A
-/// non-blocking communicator's operation outside a group is enqueued in the
-/// background: `ncclInProgress`.
-pub(super) fn submit_op(
-    comm: &Arc<Comm>,
-    stream: cudaStream_t,
-    is_send: bool,
-    body: Body,
-) -> R<ncclResult_t> {
-    let target = stream::resolve(stream, Some(comm.device)).map_err(|e| {
-        err(
-            ncclResult_t::ncclInvalidArgument,
-            format!("invalid stream (CUDA error {})", e.0),
-        )
-    })?;
-    let body = Arc::new(body);
-    if in_group() {
-        GROUP.with(|g| {
-            g.borrow_mut().items.push(GroupItem {
-                target,
-                is_send,
-                comm: comm.clone(),
-                body,
-            })
-        });
-        return Ok(ncclResult_t::ncclSuccess);
-    }
-    comm.enqueue_call()?;
-    if !comm.blocking && !target.stream.capturing() {
-        let (w, need) = launch(comm, &body, comm.chain.take());
-        let mut job = Job::default();
-        job.add_comm(comm, need);
-        job.items.push((target, vec![(vec![comm.clone()], w)]));
-        defer(job);
-        return Ok(ncclResult_t::ncclInProgress);
-    }
-    stream::submit(&target, launcher(comm.clone(), body)).map_err(|e| {
-        err(
-            ncclResult_t::ncclUnhandledCudaError,
-            format!("stream error {}", e.0),
-        )
-    })?;
-    Ok(ncclResult_t::ncclSuccess)
 }

@@ -1,6 +1,7 @@
 //! The end of a communicator and its queries: `ncclCommFinalize`,
 //! `ncclCommDestroy`, `ncclCommAbort`, `ncclCommGetAsyncError`,
-//! `ncclCommCount`, `ncclCommCuDevice`, `ncclCommUserRank`.
+//! `ncclCommCount`, `ncclCommCuDevice`, `ncclCommUserRank`,
+//! `ncclGetLastError`.
 //!
 //! Invariants: a destroy waits for the communicator's work and for its
 //! peers' devices (NCCL's teardown unmaps buffers they map), ending early
@@ -8,17 +9,17 @@
 //! once and releases the communicator's blocked work promptly.
 
 use std::collections::BTreeSet;
-use std::ffi::c_int;
+use std::ffi::{c_char, c_int};
 use std::sync::atomic::Ordering;
 
 use nccl_sys::{ncclComm_t, ncclResult_t};
 
-use super::TICK;
-use super::comm::{ABORTED, COMMS, Comm, lookup, lookup_any};
-use super::errors::{entry, out};
-use super::init::unjoin;
+use super::bootstrap::unjoin;
+use super::comm::{ABORTED, COMMS, Comm, Peers, lookup, lookup_any};
+use super::errors::{entry, newest_error, out};
 use super::net;
-use super::world::Peers;
+use super::{CALLS, TICK};
+use crate::{guard, ptr_to_id};
 
 /// `ncclCommFinalize`: flushes the communicator's work (non-blocking
 /// communicators report `ncclInProgress` while work is pending).
@@ -212,5 +213,20 @@ pub unsafe extern "C" fn ncclCommUserRank(comm: ncclComm_t, rank: *mut c_int) ->
         // SAFETY: `rank` is null or valid (this function's contract).
         unsafe { out(rank, r as c_int, "rank") }?;
         Ok(ncclResult_t::ncclSuccess)
+    })
+}
+
+/// `ncclGetLastError`: the newer of the communicator's last asynchronous
+/// error and the calling thread's last error, else the process's; a static
+/// NUL-terminated string.
+#[unsafe(no_mangle)]
+pub extern "C" fn ncclGetLastError(comm: ncclComm_t) -> *const c_char {
+    CALLS.fetch_add(1, Ordering::Relaxed);
+    guard(c"".as_ptr(), || {
+        let own = (!comm.is_null())
+            .then(|| COMMS.get(ptr_to_id(comm)))
+            .flatten()
+            .and_then(|c| c.st.lock().last);
+        newest_error(own).as_ptr()
     })
 }

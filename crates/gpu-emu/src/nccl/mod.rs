@@ -1,8 +1,8 @@
 //! The emulated NCCL: communicators, groups, collectives, send/recv,
 //! registration, errors and fault injection hooks.
 //!
-//! Ranks of one unique id meet in a process-wide registry of the process
-//! that made the id. When every rank is a thread of that process they
+//! Ranks of one unique id meet in a process-wide registry (`bootstrap`) of
+//! the process that made the id. When every rank is a thread of that process they
 //! share a `World` (`world`), where collectives meet by sequence number and
 //! sends post copies of their data into mailboxes keyed by their number;
 //! when some are
@@ -63,15 +63,40 @@
 //!   this communicator is aborted.
 //!
 //! # Layout
-//! One file per API family: `init` (unique ids, rank inits, the in-process
-//! registry), `split`, `group`, `ops` (collectives and send/recv),
-//! `lifecycle` (finalize, destroy, abort, queries), `reg` (registration,
-//! windows, `ncclMemAlloc`), `errors` (result texts, last errors); and the
-//! machinery under them: `comm` (communicators, their strong-stream
-//! chain, configs), `launch` (launching work onto streams, background
-//! enqueues, running it), `world` (the in-process meeting of ranks),
-//! `net` (ranks in several processes: bootstrap, links, wire format) and
-//! `data` (element types and reductions).
+//! Lowest first; a module uses only modules of earlier lines
+//! (`xtask/tests/imports.rs` checks that no import circles back):
+//! - `errors` (result texts, last errors, the entry guard); `data`
+//!   (element types and reductions); `coll` (what an operation is, and its
+//!   all-or-nothing reads and writes of device memory);
+//! - the transports: `world` (ranks that are threads of this process) and
+//!   `net` (ranks in several processes: wire format, listener, links,
+//!   meshes), which know no communicator;
+//! - `comm` (communicators, their strong-stream chain, where their peers
+//!   are, configs);
+//! - `bootstrap` (unique ids, the registry where the ranks of an id meet,
+//!   registration with the root across processes), `launch` (launching
+//!   work onto streams, background enqueues, running it), `reg`
+//!   (registration, windows, `ncclMemAlloc`);
+//! - `group` (groups), `lifecycle` (finalize, destroy, abort, queries,
+//!   `ncclGetLastError`);
+//! - `init` (rank inits), `ops` (collectives and send/recv), `split`.
+//!
+//! # Locks
+//! Taken in this order, never the reverse (each module doc says more):
+//! - the bootstrap registry, then a member's `Comm::st` (its world set);
+//! - a `World`'s state, then a split child's `Comm::st`, and the memory
+//!   registry (the operation's reads and writes);
+//! - a communicator's `splitting`, then a child's `Comm::st` (an abort);
+//! - `Comm::st`, then the interned error texts or the last error (an
+//!   error recorded while it is held);
+//! - a mesh link's write lock, then the `Mesh`'s state, then the memory
+//!   registry.
+//!
+//! Every other lock is a leaf, held with no other lock taken under it:
+//! `Comm::p2p_seq`, a `Chain`'s state, a group `Join`'s, the tables of
+//! communicators and aborted ids, the listener's routes and a
+//! `Joining`'s links (never held together), and `fault`'s list. The
+//! memory registry is the innermost lock of the crate (`cuda::memory`).
 
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -79,6 +104,8 @@ use std::time::Duration;
 
 use nccl_sys::ncclResult_t;
 
+mod bootstrap;
+mod coll;
 mod comm;
 mod data;
 pub(crate) mod errors;
@@ -102,7 +129,8 @@ pub(super) type R<T> = Result<T, ncclResult_t>;
 
 pub(super) static CALLS: AtomicU64 = AtomicU64::new(0);
 
-/// NCCL API calls so far.
-pub(crate) fn calls() -> u64 {
+/// The number of NCCL API calls made so far in this process.
+#[unsafe(no_mangle)]
+pub extern "C" fn metrale_emu_nccl_calls() -> u64 {
     CALLS.load(Ordering::Relaxed)
 }

@@ -6,18 +6,20 @@
 //! before anything is launched; a count of 0 launches nothing.
 
 use std::ffi::{c_int, c_void};
+use std::sync::Arc;
 
 use cuda_sys::cudaStream_t;
 use nccl_sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, ncclScalarResidence_t};
 
 use super::R;
-use super::comm::lookup;
+use super::coll::{Desc, Kind};
+use super::comm::{Comm, lookup};
 use super::data::{Dt, Op};
-use super::errors::{entry, fail, unimplemented};
-use super::group::grouped;
-use super::launch::{Body, submit_op};
-use super::world::{Desc, Kind};
-use crate::memory::range_ok;
+use super::errors::{entry, err, fail, unimplemented};
+use super::group::{GROUP, GroupItem, grouped, in_group};
+use super::launch::{Body, Job, defer, launch, launcher};
+use crate::cuda::memory::range_ok;
+use crate::cuda::stream;
 
 pub(super) fn check_buf(p: u64, elems: usize, esz: usize, what: &str) -> R<()> {
     let Some(len) = elems.checked_mul(esz) else {
@@ -464,4 +466,49 @@ pub unsafe extern "C" fn ncclRecv(
         comm,
         stream,
     )
+}
+
+/// Launches (or groups) an operation of `comm` on `stream`. A
+/// non-blocking communicator's operation outside a group is enqueued in the
+/// background: `ncclInProgress`.
+pub(super) fn submit_op(
+    comm: &Arc<Comm>,
+    stream: cudaStream_t,
+    is_send: bool,
+    body: Body,
+) -> R<ncclResult_t> {
+    let target = stream::resolve(stream, Some(comm.device)).map_err(|e| {
+        err(
+            ncclResult_t::ncclInvalidArgument,
+            format!("invalid stream (CUDA error {})", e.0),
+        )
+    })?;
+    let body = Arc::new(body);
+    if in_group() {
+        GROUP.with(|g| {
+            g.borrow_mut().items.push(GroupItem {
+                target,
+                is_send,
+                comm: comm.clone(),
+                body,
+            })
+        });
+        return Ok(ncclResult_t::ncclSuccess);
+    }
+    comm.enqueue_call()?;
+    if !comm.blocking && !target.stream.capturing() {
+        let (w, need) = launch(comm, &body, comm.chain.take());
+        let mut job = Job::default();
+        job.add_comm(comm, need);
+        job.items.push((target, vec![(vec![comm.clone()], w)]));
+        defer(job);
+        return Ok(ncclResult_t::ncclInProgress);
+    }
+    stream::submit(&target, launcher(comm.clone(), body)).map_err(|e| {
+        err(
+            ncclResult_t::ncclUnhandledCudaError,
+            format!("stream error {}", e.0),
+        )
+    })?;
+    Ok(ncclResult_t::ncclSuccess)
 }

@@ -14,8 +14,9 @@ use nccl_sys::{ncclComm_t, ncclResult_t, ncclWindow_t, ncclWindow_vidmem};
 use super::R;
 use super::comm::lookup;
 use super::errors::{entry, err, fail};
-use crate::memory::{self, range_ok};
-use crate::{driver, id_to_ptr, new_id, ptr_to_id, put};
+use crate::cuda::driver;
+use crate::cuda::memory::{self, range_ok};
+use crate::{id_to_ptr, new_id, ptr_to_id, put};
 
 pub(super) fn register(comm: ncclComm_t, buff: u64, size: usize, window: bool) -> R<u64> {
     let c = lookup(comm)?;

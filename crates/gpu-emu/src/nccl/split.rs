@@ -15,11 +15,11 @@ use std::sync::atomic::{AtomicPtr, Ordering};
 use nccl_sys::{NCCL_SPLIT_NOCOLOR, ncclComm_t, ncclConfig_t, ncclResult_t};
 
 use super::R;
-use super::comm::{COMMS, Cfg, Chain, Comm, lookup, parse_config};
+use super::comm::{COMMS, Cfg, Chain, Comm, Peers, lookup, parse_config};
 use super::errors::{entry, err, fail};
 use super::group::{GROUP, grouped, in_group};
-use super::net::{self, Mesh};
-use super::world::{Peers, SplitEntry, World};
+use super::net::{self, Endpoint, Joining, Mesh};
+use super::world::{Child, SplitEntry, World};
 use crate::put;
 
 /// `ncclCommSplit`: a collective over the parent; ranks of one color form a
@@ -176,7 +176,7 @@ fn meet_local(
     entries[rank] = Some(SplitEntry {
         color,
         key,
-        comm: child.clone(),
+        comm: child.clone().map(|c| c as Child),
     });
     if !entries.iter().all(Option::is_some) {
         return;
@@ -188,7 +188,7 @@ fn meet_local(
         .into_iter()
         .flatten()
         .collect();
-    let mut by_color: BTreeMap<i32, Vec<(i32, usize, Arc<Comm>)>> = BTreeMap::new();
+    let mut by_color: BTreeMap<i32, Vec<(i32, usize, Child)>> = BTreeMap::new();
     for (r, e) in entries.into_iter().enumerate() {
         if let Some(c) = e.comm {
             by_color.entry(e.color).or_default().push((e.key, r, c));
@@ -196,10 +196,10 @@ fn meet_local(
     }
     for (_, mut members) in by_color {
         members.sort_by_key(|(k, r, _)| (*k, *r));
-        let w = World::new(members.iter().map(|(_, _, c)| c.device).collect());
+        let w = World::new(members.iter().map(|(_, _, c)| c.device()).collect());
         let len = members.len() as i32;
         for (i, (_, _, c)) in members.into_iter().enumerate() {
-            c.set_world(i as i32, len, Peers::Local(w.clone()));
+            c.join_local(i as i32, len, w.clone());
         }
     }
 }
@@ -231,10 +231,65 @@ fn meet_net(
         return fail(code, msg);
     }
     match (child, joining) {
-        (Some(c), Some(j)) => {
-            net::build::spawn_child(mesh.clone(), c.clone(), j, ckey, seq, (color, key))
-        }
+        (Some(c), Some(j)) => spawn_child(mesh.clone(), c.clone(), j, ckey, seq, (color, key)),
         _ => mesh.discard_splits(seq),
     }
     Ok(())
+}
+
+/// Waits on a thread of its own for every rank's part in split `seq` of
+/// `parent`, then builds the mesh of the child of this rank's color:
+/// ranks ordered by (key, parent rank), each routed by its parent rank.
+fn spawn_child(
+    parent: Arc<Mesh>,
+    child: Arc<Comm>,
+    joining: Arc<Joining>,
+    key: u128,
+    seq: u64,
+    mine: (i32, i32),
+) {
+    let c = child.clone();
+    let spawned = std::thread::Builder::new()
+        .name("emu-nccl-split".into())
+        .spawn(move || {
+            let stop = || c.aborted();
+            let all = match parent.wait_splits(seq, mine, &stop) {
+                None => {
+                    net::forget(c.id);
+                    return;
+                }
+                Some(Err((code, msg))) => {
+                    net::forget(c.id);
+                    c.fail_init(code, &msg);
+                    return;
+                }
+                Some(Ok(all)) => all,
+            };
+            let mut members: Vec<(i32, usize)> = all
+                .iter()
+                .enumerate()
+                .filter(|(_, (color, _))| *color == mine.0)
+                .map(|(r, (_, k))| (*k, r))
+                .collect();
+            members.sort_unstable();
+            let me = members
+                .iter()
+                .position(|&(_, r)| r == parent.rank)
+                .unwrap_or(0);
+            let eps = members
+                .iter()
+                .map(|&(_, r)| Endpoint {
+                    slot: r as u32,
+                    ..parent.eps[r]
+                })
+                .collect();
+            c.build_mesh(joining, key, me, eps);
+        });
+    if let Err(e) = spawned {
+        net::forget(child.id);
+        child.fail_init(
+            ncclResult_t::ncclSystemError,
+            &format!("gpu-emu: cannot start the split thread: {e}"),
+        );
+    }
 }

@@ -9,7 +9,15 @@
 //! (in-place works), and no output is written once a participant has
 //! aborted, so an aborted rank's buffers are never touched after
 //! `ncclCommAbort` returns. Every access to device memory goes through
-//! `memory::access`, all or nothing.
+//! `memory::access`, all or nothing. The world knows no communicator: a
+//! split's children are [`SplitChild`]ren, which the last rank to arrive
+//! gives their own worlds.
+//!
+//! Lock order: the world's state, then the memory registry (an
+//! operation's reads and writes run under it) or a split child's
+//! `Comm::st` (the child's world is set under it). No one holds another
+//! lock while taking it (a launch or an abort releases its
+//! communicator's state first).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -18,67 +26,8 @@ use nccl_sys::ncclResult_t;
 use parking_lot::{Condvar, Mutex};
 
 use super::TICK;
-use super::comm::Comm;
-use super::data::{Dt, Op, reduce};
-use super::net::Mesh;
-use crate::memory::{self, Span};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Kind {
-    AllReduce,
-    Broadcast,
-    Reduce,
-    AllGather,
-    ReduceScatter,
-    AlltoAll,
-    Gather,
-    Scatter,
-}
-
-impl Kind {
-    /// Its number on the wire.
-    pub(super) fn code(self) -> u8 {
-        self as u8
-    }
-
-    pub(super) fn reduces(self) -> bool {
-        matches!(self, Kind::AllReduce | Kind::Reduce | Kind::ReduceScatter)
-    }
-
-    pub(super) fn rooted(self) -> bool {
-        matches!(
-            self,
-            Kind::Broadcast | Kind::Reduce | Kind::Gather | Kind::Scatter
-        )
-    }
-
-    /// (send, recv) sizes in elements for `rank`; 0 when unused.
-    pub(super) fn sizes(self, count: usize, n: usize, is_root: bool) -> Option<(usize, usize)> {
-        let nc = count.checked_mul(n)?;
-        let root = |v: usize| if is_root { v } else { 0 };
-        Some(match self {
-            Kind::AllReduce => (count, count),
-            Kind::Broadcast => (root(count), count),
-            Kind::Reduce => (count, root(count)),
-            Kind::AllGather => (count, nc),
-            Kind::ReduceScatter => (nc, count),
-            Kind::AlltoAll => (nc, nc),
-            Kind::Gather => (count, root(nc)),
-            Kind::Scatter => (root(nc), count),
-        })
-    }
-}
-
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Desc {
-    pub(super) kind: Kind,
-    pub(super) send: u64,
-    pub(super) recv: u64,
-    pub(super) count: usize,
-    pub(super) dt: Dt,
-    pub(super) op: Op,
-    pub(super) root: usize,
-}
+use super::coll::{CollErr, Desc, Kind, read, write_all};
+use super::data::{Dt, reduce};
 
 pub(super) struct Slot {
     pub(super) descs: Vec<Option<Desc>>,
@@ -93,10 +42,24 @@ pub(super) struct Msg {
     pub(super) dt: Dt,
 }
 
+/// A communicator made by a split, as the world gathering the split sees
+/// it: the last rank to arrive gives every child of a color its own world.
+pub(super) trait SplitChild: Send + Sync {
+    /// The child's device.
+    fn device(&self) -> i32;
+    /// Makes the child rank `rank` of `nranks` of `world`.
+    fn join_local(&self, rank: i32, nranks: i32, world: Arc<World>);
+}
+
+/// A split's child, as the world holds it.
+pub(super) type Child = Arc<dyn SplitChild>;
+
+/// One rank's part in a split: its color and key, and its child (none for
+/// `NCCL_SPLIT_NOCOLOR`).
 pub(super) struct SplitEntry {
     pub(super) color: i32,
     pub(super) key: i32,
-    pub(super) comm: Option<Arc<Comm>>,
+    pub(super) comm: Option<Child>,
 }
 
 pub(super) struct WorldSt {
@@ -111,25 +74,6 @@ pub(super) struct WorldSt {
     /// send's number among the source's sends to the destination).
     pub(super) mail: BTreeMap<(usize, usize, u64), Msg>,
     pub(super) splits: BTreeMap<u64, Vec<Option<SplitEntry>>>,
-}
-
-/// Where a ready communicator's peers are.
-#[derive(Clone)]
-pub(super) enum Peers {
-    /// Threads of this process: the in-process world.
-    Local(Arc<World>),
-    /// Ranks of other processes (and maybe this one), over sockets.
-    Net(Arc<Mesh>),
-}
-
-impl Peers {
-    /// The in-process world, if that is where the peers are.
-    pub(super) fn local(&self) -> Option<&Arc<World>> {
-        match self {
-            Peers::Local(w) => Some(w),
-            Peers::Net(_) => None,
-        }
-    }
 }
 
 /// The ranks of one communicator, once all have joined.
@@ -158,47 +102,6 @@ impl World {
             cv: Condvar::new(),
         })
     }
-}
-
-pub(super) type CollErr = (ncclResult_t, String);
-
-pub(super) fn illegal() -> CollErr {
-    (
-        ncclResult_t::ncclUnhandledCudaError,
-        "illegal memory access: a buffer was freed while an operation used it".into(),
-    )
-}
-
-/// A copy of `[p, p + len)`, read while the range is held live.
-pub(super) fn read(p: u64, len: usize) -> Result<Vec<u8>, CollErr> {
-    let mut v = vec![0u8; len];
-    let to = v.as_mut_ptr() as usize as u64;
-    // SAFETY: `[p, p + len)` is a live device allocation for the whole copy
-    // (`access` holds the registry until it returns) and `v` holds `len`
-    // bytes.
-    memory::access(&[Span::device(p, len)], || unsafe {
-        memory::copy(to, p, len)
-    })
-    .ok_or_else(illegal)?;
-    Ok(v)
-}
-
-/// Writes every `(destination, bytes)` pair, all or none: only if every
-/// destination is live, held live until the last byte is written.
-pub(super) fn write_all(writes: &[(u64, Vec<u8>)]) -> Result<(), CollErr> {
-    let spans: Vec<Span> = writes
-        .iter()
-        .map(|(p, v)| Span::device(*p, v.len()))
-        .collect();
-    memory::access(&spans, || {
-        for (p, v) in writes {
-            // SAFETY: every destination is a live device allocation for the
-            // whole loop (`access` holds the registry) and `v` holds the
-            // bytes to copy.
-            unsafe { memory::copy(*p, v.as_ptr() as usize as u64, v.len()) };
-        }
-    })
-    .ok_or_else(illegal)
 }
 
 /// Computes a collective from every rank's descriptor and writes outputs.

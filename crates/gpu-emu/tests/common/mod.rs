@@ -1,11 +1,14 @@
 //! Helpers shared by the emulator's integration tests: open the built
 //! `libgpu_emu.so` through cuda-sys / nccl-sys exactly as the stack does, and
-//! small wrappers for contexts, memory, streams and communicators.
+//! small wrappers for contexts, memory, streams and communicators, ranks
+//! as threads ([`ranks`]); `procs` runs ranks as processes.
 //!
 //! Invariant: every call checks its return code, so a helper never hides an
 //! error.
 
 #![allow(dead_code)]
+
+pub mod procs;
 
 use std::ffi::c_void;
 use std::path::PathBuf;
@@ -408,5 +411,29 @@ impl Gate {
             )
         }
         .unwrap());
+    }
+}
+
+/// Runs `f(rank)` on `n` threads, each with its own device current.
+pub fn ranks(n: usize, f: impl Fn(usize) + Sync) {
+    std::thread::scope(|s| {
+        for r in 0..n {
+            let f = &f;
+            s.spawn(move || {
+                set_device(r as i32);
+                f(r)
+            });
+        }
+    });
+}
+
+/// A config of a non-blocking communicator (`blocking = 0`).
+pub fn nonblocking_config() -> nccl_sys::ncclConfig_t {
+    nccl_sys::ncclConfig_t {
+        size: size_of::<nccl_sys::ncclConfig_t>(),
+        magic: 0xcafe_beef,
+        version: 22803,
+        blocking: 0,
+        ..Default::default()
     }
 }

@@ -24,6 +24,11 @@
 //!   and sends to it fail with `ncclRemoteError`).
 //! - A reader ends at its link's end, or [`DRAIN`] after this rank closed
 //!   the mesh; the link's socket closes when the mesh is dropped.
+//!
+//! Lock order: a link's write lock, then the mesh's state (a writer that
+//! fails marks the peer lost), then the memory registry (outputs are
+//! written under the state's lock). A close releases the state before it
+//! takes the write locks, and waits for one at most [`BYE_WAIT`].
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{Shutdown, TcpStream};
@@ -36,8 +41,8 @@ use parking_lot::{Condvar, Mutex};
 
 use super::Endpoint;
 use super::wire::{self, Frame, IO_TICK};
+use crate::nccl::coll::{CollErr, Desc, Kind, read, write_all};
 use crate::nccl::data::{Dt, reduce};
-use crate::nccl::world::{CollErr, Desc, Kind, read, write_all};
 
 /// How long a reader keeps draining its link after this rank closed.
 const DRAIN: Duration = Duration::from_secs(2);

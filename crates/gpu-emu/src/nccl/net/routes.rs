@@ -1,6 +1,7 @@
 //! This process's listener and the routes of incoming connections: a
-//! `Register` goes to the bootstrap root (`bootstrap`), a `Hello` to the
-//! communicator that expects a link from that peer.
+//! `Register` goes to the handler the listener was started with (the
+//! bootstrap root's, `nccl::bootstrap`), a `Hello` to the communicator that
+//! expects a link from that peer.
 //!
 //! A communicator that may receive links (every rank of a cross-process
 //! communicator, before its mesh is complete) is expected under its
@@ -11,7 +12,9 @@
 //! Invariants: the listener is started once per process and lives as long
 //! as it; one connection's handshake (preamble and first frame) is bounded
 //! by [`HANDSHAKE`]; a link is handed over only after its `HelloOk` was
-//! written, and a `Hello` nobody expects is refused, never parked.
+//! written, and a `Hello` nobody expects is refused, never parked. The
+//! routes' lock and a [`Joining`]'s links are leaves, never held together
+//! (a route is looked up and released before its links are locked).
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
@@ -21,11 +24,11 @@ use std::time::{Duration, Instant};
 use nccl_sys::ncclResult_t;
 use parking_lot::{Condvar, Mutex};
 
-use super::bootstrap;
+use super::Endpoint;
 use super::wire::{self, Frame, IO_TICK};
 
 /// How long an incoming connection may take to say who it is.
-pub(super) const HANDSHAKE: Duration = Duration::from_secs(10);
+pub(crate) const HANDSHAKE: Duration = Duration::from_secs(10);
 
 /// A communicator waiting for links from its peers, by the peers' slots.
 pub(crate) struct Joining {
@@ -61,7 +64,7 @@ static ROUTES: Mutex<BTreeMap<RouteKey, Arc<Joining>>> = Mutex::new(BTreeMap::ne
 
 /// Expects links for communicator `comm_id` under `(key, slot)`; an error
 /// text when another communicator of this process already is.
-pub(super) fn expect(key: u128, slot: u32, comm_id: u64) -> Result<Arc<Joining>, String> {
+pub(crate) fn expect(key: u128, slot: u32, comm_id: u64) -> Result<Arc<Joining>, String> {
     let mut r = ROUTES.lock();
     if r.contains_key(&(key, slot)) {
         return Err(format!("rank {slot} joined twice"));
@@ -77,20 +80,25 @@ pub(super) fn expect(key: u128, slot: u32, comm_id: u64) -> Result<Arc<Joining>,
 
 /// Stops expecting links for `comm_id` (links that arrived and were not
 /// taken are closed).
-pub(super) fn forget(comm_id: u64) {
+pub(crate) fn forget(comm_id: u64) {
     ROUTES.lock().retain(|_, j| j.comm_id != comm_id);
 }
 
-/// This process's loopback port, the listener started on first use;
-/// `None` when it cannot listen.
-pub(super) fn port() -> Option<u16> {
+/// Serves a `Register` frame (id, nranks, rank, endpoint) that arrived on
+/// its connection.
+pub(crate) type OnRegister = fn([u8; 128], u32, u32, Endpoint, TcpStream);
+
+/// This process's loopback port, the listener started on first use, with
+/// `on_register` serving registrations (every caller passes the bootstrap
+/// root's handler); `None` when it cannot listen.
+pub(crate) fn port(on_register: OnRegister) -> Option<u16> {
     static PORT: OnceLock<Option<u16>> = OnceLock::new();
     *PORT.get_or_init(|| {
         let started = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).and_then(|l| {
             let port = l.local_addr()?.port();
             std::thread::Builder::new()
                 .name("emu-nccl-listen".into())
-                .spawn(move || accept_loop(l))?;
+                .spawn(move || accept_loop(l, on_register))?;
             Ok(port)
         });
         match started {
@@ -103,13 +111,13 @@ pub(super) fn port() -> Option<u16> {
     })
 }
 
-fn accept_loop(l: TcpListener) {
+fn accept_loop(l: TcpListener, on_register: OnRegister) {
     for s in l.incoming() {
         match s {
             Ok(s) => {
                 let spawned = std::thread::Builder::new()
                     .name("emu-nccl-accept".into())
-                    .spawn(move || handle(s));
+                    .spawn(move || handle(s, on_register));
                 if let Err(e) = spawned {
                     tracing::warn!(error = %e, "gpu-emu: cannot serve a connection");
                 }
@@ -123,7 +131,7 @@ fn accept_loop(l: TcpListener) {
 }
 
 /// Reads who the connection is and hands it on.
-fn handle(s: TcpStream) {
+fn handle(s: TcpStream, on_register: OnRegister) {
     let start = Instant::now();
     let stop = || start.elapsed() > HANDSHAKE;
     let first = wire::prepare(&s)
@@ -135,7 +143,7 @@ fn handle(s: TcpStream) {
             nranks,
             rank,
             ep,
-        })) => bootstrap::on_register(id, nranks, rank, ep, s),
+        })) => on_register(id, nranks, rank, ep, s),
         Ok(Some(Frame::Hello { key, to, from })) => on_hello(key, to, from, s),
         Ok(_) => tracing::debug!("gpu-emu: a connection sent no handshake"),
         Err(e) => tracing::debug!(error = %e, "gpu-emu: a connection's handshake failed"),

@@ -35,22 +35,22 @@ use std::net::TcpStream;
 use super::Endpoint;
 
 /// The first bytes of every connection.
-pub(super) const PREAMBLE: [u8; 8] = *b"MEMUNET1";
+pub(crate) const PREAMBLE: [u8; 8] = *b"MEMUNET1";
 /// The most payload one `Chunk` frame carries.
-pub(super) const CHUNK: usize = 1 << 20;
+pub(crate) const CHUNK: usize = 1 << 20;
 /// The longest frame accepted (a chunk and its tag, or a table of 4096
 /// ranks).
-pub(super) const MAX_FRAME: usize = CHUNK + 64;
+pub(crate) const MAX_FRAME: usize = CHUNK + 64;
 /// The longest a read or write blocks before it checks its stop condition.
-pub(super) const IO_TICK: std::time::Duration = std::time::Duration::from_millis(20);
+pub(crate) const IO_TICK: std::time::Duration = std::time::Duration::from_millis(20);
 /// The most ranks a cross-process communicator may have.
-pub(super) const MAX_RANKS: usize = 4096;
+pub(crate) const MAX_RANKS: usize = 4096;
 
 const ENDPOINT_LEN: usize = 8 + 4 + 2 + 4 + 4;
 
 /// One frame.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Frame {
+pub(crate) enum Frame {
     Register {
         id: [u8; 128],
         nranks: u32,
@@ -300,7 +300,7 @@ fn timed_out(e: &io::Error) -> bool {
 }
 
 /// Sets the short timeouts every read and write of `s` relies on.
-pub(super) fn prepare(s: &TcpStream) -> io::Result<()> {
+pub(crate) fn prepare(s: &TcpStream) -> io::Result<()> {
     s.set_nodelay(true)?;
     s.set_read_timeout(Some(IO_TICK))?;
     s.set_write_timeout(Some(IO_TICK))
@@ -308,7 +308,7 @@ pub(super) fn prepare(s: &TcpStream) -> io::Result<()> {
 
 /// Writes all of `buf`, checking `stop` whenever the socket stays full for
 /// [`IO_TICK`].
-pub(super) fn write_all(
+pub(crate) fn write_all(
     mut s: &TcpStream,
     mut buf: &[u8],
     stop: &dyn Fn() -> bool,
@@ -329,12 +329,12 @@ pub(super) fn write_all(
 }
 
 /// Writes one frame.
-pub(super) fn write_frame(s: &TcpStream, f: &Frame, stop: &dyn Fn() -> bool) -> io::Result<()> {
+pub(crate) fn write_frame(s: &TcpStream, f: &Frame, stop: &dyn Fn() -> bool) -> io::Result<()> {
     write_all(s, &f.encode(), stop)
 }
 
 /// Writes `data` as `Chunk` frames (nothing when it is empty).
-pub(super) fn write_chunks(s: &TcpStream, data: &[u8], stop: &dyn Fn() -> bool) -> io::Result<()> {
+pub(crate) fn write_chunks(s: &TcpStream, data: &[u8], stop: &dyn Fn() -> bool) -> io::Result<()> {
     for part in data.chunks(CHUNK) {
         let mut head = [0u8; 5];
         head[..4].copy_from_slice(&(part.len() as u32 + 1).to_le_bytes());
@@ -366,7 +366,7 @@ fn read_full(mut s: &TcpStream, buf: &mut [u8], stop: &dyn Fn() -> bool) -> io::
 
 /// Reads one frame; `Ok(None)` when the peer closed the connection between
 /// frames.
-pub(super) fn read_frame(s: &TcpStream, stop: &dyn Fn() -> bool) -> io::Result<Option<Frame>> {
+pub(crate) fn read_frame(s: &TcpStream, stop: &dyn Fn() -> bool) -> io::Result<Option<Frame>> {
     let mut len = [0u8; 4];
     if !read_full(s, &mut len, stop)? {
         return Ok(None);
@@ -388,12 +388,12 @@ pub(super) fn read_frame(s: &TcpStream, stop: &dyn Fn() -> bool) -> io::Result<O
 }
 
 /// Writes the preamble.
-pub(super) fn write_preamble(s: &TcpStream, stop: &dyn Fn() -> bool) -> io::Result<()> {
+pub(crate) fn write_preamble(s: &TcpStream, stop: &dyn Fn() -> bool) -> io::Result<()> {
     write_all(s, &PREAMBLE, stop)
 }
 
 /// Reads and checks the preamble.
-pub(super) fn read_preamble(s: &TcpStream, stop: &dyn Fn() -> bool) -> io::Result<()> {
+pub(crate) fn read_preamble(s: &TcpStream, stop: &dyn Fn() -> bool) -> io::Result<()> {
     let mut p = [0u8; 8];
     if !read_full(s, &mut p, stop)? || p != PREAMBLE {
         return Err(io::Error::new(

@@ -40,9 +40,9 @@ use cuda_sys::CUresult;
 use half::{bf16, f16};
 use metrale_kernel_abi::one_shot::{self as abi, Status};
 
-use crate::driver;
-use crate::memory::{self, Span, range_ok};
-use crate::stream::Launcher;
+use crate::cuda::driver;
+use crate::cuda::memory::{self, Span, range_ok};
+use crate::cuda::stream::Launcher;
 
 /// The element type of a one-shot kernel: how 16 bytes of it become f32
 /// values and back.

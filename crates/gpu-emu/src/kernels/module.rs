@@ -1,7 +1,8 @@
-//! Modules and kernels: PTX `.entry` names are parsed, and the project's
-//! kernels that the emulator knows run as host code on the stream
-//! (`bf16_add_inplace` here; `bf16_one_shot_all_reduce`,
-//! `f16_one_shot_all_reduce` and `f32_one_shot_all_reduce` in `one_shot`).
+//! Modules and kernels: `cuModuleLoadData` parses the `.entry` names of
+//! PTX text, and `cuLaunchKernel` runs the project's kernels that the
+//! emulator knows as host code on the stream (`bf16_add_inplace` in
+//! `bf16_add`; `bf16_one_shot_all_reduce`, `f16_one_shot_all_reduce` and
+//! `f32_one_shot_all_reduce` in `one_shot`).
 //!
 //! Invariants:
 //! - A function handle exists only for an entry that is in its module's PTX
@@ -16,12 +17,11 @@ use std::ffi::{CStr, c_char, c_uint, c_void};
 use std::sync::Arc;
 
 use cuda_sys::{CUfunction, CUmodule, CUresult, CUstream};
-use half::bf16;
 
-use crate::driver::{check_init, code};
-use crate::memory::{self, Span, range_ok};
-use crate::stream::{self, Launcher};
-use crate::{Table, driver, guard, id_to_ptr, ptr_to_id, put};
+use super::{bf16_add, one_shot};
+use crate::cuda::driver::{self, check_init, code};
+use crate::cuda::stream;
+use crate::{Table, guard, id_to_ptr, ptr_to_id, put};
 
 /// The kernels with a host implementation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,14 +30,14 @@ enum Kernel {
     Bf16AddInplace,
     /// `{bf16,f16,f32}_one_shot_all_reduce(OsCtrl* ctrl, T* data, u64 n,
     /// u32 lane)`, run by `one_shot`.
-    OneShotAllReduce(crate::one_shot::Elem),
+    OneShotAllReduce(one_shot::Elem),
 }
 
 impl Kernel {
     fn by_name(name: &str) -> Option<Self> {
         match name {
             metrale_kernel_abi::add::NAME => Some(Kernel::Bf16AddInplace),
-            _ => crate::one_shot::Elem::by_name(name).map(Kernel::OneShotAllReduce),
+            _ => one_shot::Elem::by_name(name).map(Kernel::OneShotAllReduce),
         }
     }
 }
@@ -65,25 +65,6 @@ fn entries(ptx: &str) -> Vec<String> {
         }
     }
     out
-}
-
-/// `dst[i] = bf16(f32(dst[i]) + f32(src[i]))`, round to nearest even.
-///
-/// # Safety
-/// `dst` and `src` are valid for `n` bf16 values.
-unsafe fn bf16_add(dst: u64, src: u64, n: usize) {
-    let d = dst as usize as *mut bf16;
-    let s = src as usize as *const bf16;
-    for i in 0..n {
-        // SAFETY: `i < n` and both ranges hold `n` values (this function's
-        // contract); unaligned access keeps odd addresses sound.
-        unsafe {
-            let a = d.add(i).read_unaligned();
-            let b = s.add(i).read_unaligned();
-            d.add(i)
-                .write_unaligned(bf16::from_f32(a.to_f32() + b.to_f32()));
-        }
-    }
 }
 
 /// `cuModuleLoadData`: NUL-terminated PTX text.
@@ -215,26 +196,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
                             p2.cast::<u64>().read_unaligned(),
                         )
                     };
-                    let n = usize::try_from(n).map_err(|_| CUresult::CUDA_ERROR_INVALID_VALUE)?;
-                    let bytes = n.checked_mul(2).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
-                    if !range_ok(dst, bytes, true) || !range_ok(src, bytes, true) {
-                        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-                    }
-                    let spans = [Span::device(dst, bytes), Span::device(src, bytes)];
-                    let l: Launcher = Arc::new(move || {
-                        Box::new(move || {
-                            if driver::sticky(dev).is_err() {
-                                return;
-                            }
-                            // SAFETY: both ranges hold `n` bf16 values for the
-                            // whole run (checked under the registry lock that
-                            // `access` holds until the closure returns).
-                            let ran = memory::access(&spans, || unsafe { bf16_add(dst, src, n) });
-                            if ran.is_none() {
-                                memory::illegal_address(dev, "bf16_add_inplace", dst, bytes);
-                            }
-                        })
-                    });
+                    let l = bf16_add::launcher((dst, src, n), dev)?;
                     stream::submit(&target, l)
                 }
                 Kernel::OneShotAllReduce(elem) => {
@@ -252,7 +214,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
                             p[3].cast::<u32>().read_unaligned(),
                         )
                     };
-                    let l = crate::one_shot::launcher(elem, (ctrl, data, n, lane), dev)?;
+                    let l = one_shot::launcher(elem, (ctrl, data, n, lane), dev)?;
                     stream::submit(&target, l)
                 }
             }
@@ -268,27 +230,5 @@ mod tests {
     fn parses_entries() {
         let ptx = ".version 8.0\n.target sm_90\n.visible .entry bf16_add_inplace(\n .param .u64 a\n)\n{}\n.entry other_kernel (\n)";
         assert_eq!(entries(ptx), vec!["bf16_add_inplace", "other_kernel"]);
-    }
-
-    #[test]
-    fn bf16_add_rounds_like_the_gpu() {
-        let mut d = [bf16::from_f32(1.0), bf16::from_bits(0x3f81)];
-        let s = [bf16::from_bits(0x3b80), bf16::from_bits(0x3f81)];
-        // SAFETY: both arrays hold two values.
-        unsafe {
-            bf16_add(
-                d.as_mut_ptr() as usize as u64,
-                s.as_ptr() as usize as u64,
-                2,
-            )
-        };
-        for (i, x) in d.iter().enumerate() {
-            let want = if i == 0 {
-                bf16::from_f32(1.0 + bf16::from_bits(0x3b80).to_f32())
-            } else {
-                bf16::from_f32(2.0 * bf16::from_bits(0x3f81).to_f32())
-            };
-            assert_eq!(x.to_bits(), want.to_bits());
-        }
     }
 }

@@ -26,20 +26,22 @@
 //! now) and `metrale_emu_ipc_violations()` (frees of memory still mapped,
 //! since the process started).
 //!
+//! The count of frees under another process's mapping is kept by
+//! `memory`, which makes the free.
+//!
 //! Invariant: the state's lock is never held while the allocation
 //! registry's is taken.
 
 use std::collections::BTreeMap;
 use std::ffi::c_uint;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use cuda_sys::ipc::{CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, CUipcMemHandle};
 use cuda_sys::{CUdeviceptr, CUresult};
 use parking_lot::Mutex;
 
-use crate::driver::{check_init, code, current_device};
-use crate::memory::{Export, Imported};
-use crate::{guard, memory, put};
+use super::driver::{check_init, code, current_device};
+use super::memory::{self, Export, Imported};
+use crate::{guard, put};
 
 const MAGIC: &[u8; 8] = b"EMUIPC02";
 
@@ -61,20 +63,6 @@ struct State {
 static STATE: Mutex<State> = Mutex::new(State {
     imports: BTreeMap::new(),
 });
-
-static VIOLATIONS: AtomicU64 = AtomicU64::new(0);
-
-/// Counts and logs a free of device memory at `start` that `opens`
-/// mappings in other processes still hold.
-pub(crate) fn violation(start: u64, opens: u32) {
-    VIOLATIONS.fetch_add(1, Ordering::Relaxed);
-    tracing::error!(
-        start,
-        opens,
-        "emulated cuMemFree of memory other processes still have open through \
-         cuIpcOpenMemHandle (undefined in the driver): close the mappings first"
-    );
-}
 
 /// A handle: the exporting process and its export.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,7 +126,7 @@ pub unsafe extern "C" fn cuIpcGetMemHandle(
             let export = memory::share(dptr)?;
             let h = encode(&Handle {
                 pid: std::process::id(),
-                host: crate::host::id(),
+                host: super::host::id(),
                 export,
             });
             // SAFETY: `handle` is non-null and valid (this function's contract).
@@ -170,7 +158,7 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
                 return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
             }
             let h = decode(&handle).ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
-            if h.host != crate::host::id() {
+            if h.host != super::host::id() {
                 // A handle exported on another host names memory this
                 // machine cannot reach.
                 return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
@@ -262,7 +250,7 @@ pub extern "C" fn metrale_emu_ipc_open_mappings() -> u64 {
 /// since the process started.
 #[unsafe(no_mangle)]
 pub extern "C" fn metrale_emu_ipc_violations() -> u64 {
-    VIOLATIONS.load(Ordering::Relaxed)
+    memory::ipc_violations()
 }
 
 #[cfg(test)]

@@ -1,5 +1,6 @@
 //! The emulated driver: initialisation, devices, primary contexts, the
-//! per-thread current context, error names and pointer attributes.
+//! per-thread current context, peer access, error names, and each
+//! device's sticky error.
 //!
 //! Invariants:
 //! - Nothing but the error-name functions works before `cuInit`.
@@ -15,17 +16,14 @@
 
 use std::cell::Cell;
 use std::collections::BTreeSet;
-use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::ffi::{c_char, c_int, c_uint};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
-use cuda_sys::{
-    CUcontext, CUdevice, CUdevice_attribute, CUdeviceptr, CUmemorytype_enum, CUpointer_attribute,
-    CUresult,
-};
+use cuda_sys::{CUcontext, CUdevice, CUdevice_attribute, CUresult};
 use parking_lot::Mutex;
 
-use crate::{guard, id_to_ptr, memory, ptr_to_id, put};
+use crate::{guard, id_to_ptr, ptr_to_id, put};
 
 /// Memory of each emulated device: 80 GiB.
 pub(crate) const TOTAL_MEM: usize = 80 << 30;
@@ -99,7 +97,8 @@ fn valid_device(dev: CUdevice) -> bool {
     (0..device_count()).contains(&dev)
 }
 
-fn ctx_handle(dev: i32) -> CUcontext {
+/// The handle of `dev`'s primary context.
+pub(super) fn ctx_handle(dev: i32) -> CUcontext {
     id_to_ptr(CTX_BASE + 16 * dev as u64)
 }
 
@@ -139,7 +138,7 @@ fn check_dev(dev: CUdevice) -> Result<(), CUresult> {
 ///
 /// # Safety
 /// `p` is null or valid for a write.
-unsafe fn out<T>(p: *mut T, v: T) -> Result<(), CUresult> {
+pub(super) unsafe fn out<T>(p: *mut T, v: T) -> Result<(), CUresult> {
     // SAFETY: `p` is null or valid (this function's contract).
     if unsafe { put(p, v) } {
         Ok(())
@@ -172,7 +171,7 @@ unsafe fn out_str(buf: *mut c_char, len: c_int, s: &[u8]) -> Result<(), CUresult
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuGetErrorString(error: CUresult, p_str: *mut *const c_char) -> CUresult {
     guard(CUresult::CUDA_ERROR_UNKNOWN, || {
-        let found = crate::errors::lookup(error.0);
+        let found = super::errors::lookup(error.0);
         let s = found.map_or(std::ptr::null(), |(_, s)| s.as_ptr());
         // SAFETY: `p_str` is null or valid (this function's contract).
         match unsafe { out(p_str, s) } {
@@ -189,7 +188,7 @@ pub unsafe extern "C" fn cuGetErrorString(error: CUresult, p_str: *mut *const c_
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuGetErrorName(error: CUresult, p_str: *mut *const c_char) -> CUresult {
     guard(CUresult::CUDA_ERROR_UNKNOWN, || {
-        let found = crate::errors::lookup(error.0);
+        let found = super::errors::lookup(error.0);
         let s = found.map_or(std::ptr::null(), |(n, _)| n.as_ptr());
         // SAFETY: `p_str` is null or valid (this function's contract).
         match unsafe { out(p_str, s) } {
@@ -468,75 +467,6 @@ pub unsafe extern "C" fn cuCtxGetDevice(device: *mut CUdevice) -> CUresult {
             let d = current_device().ok_or(CUresult::CUDA_ERROR_INVALID_CONTEXT)?;
             // SAFETY: `device` is null or valid (this function's contract).
             unsafe { out(device, d) }
-        })())
-    })
-}
-
-/// `cuCtxSynchronize`: waits for every stream of the current device, then
-/// reports the context's sticky error, if any.
-#[unsafe(no_mangle)]
-pub extern "C" fn cuCtxSynchronize() -> CUresult {
-    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
-        code((|| {
-            check_init()?;
-            let d = current_device().ok_or(CUresult::CUDA_ERROR_INVALID_CONTEXT)?;
-            crate::stream::sync_device(d)?;
-            sticky(d)
-        })())
-    })
-}
-
-/// `cuPointerGetAttribute`: memory type, device ordinal, range start and
-/// size, context.
-///
-/// # Safety
-/// `data` is null or valid for a write of the attribute's type.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuPointerGetAttribute(
-    data: *mut c_void,
-    attribute: CUpointer_attribute,
-    ptr: CUdeviceptr,
-) -> CUresult {
-    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
-        code((|| {
-            check_init()?;
-            let (start, len, dev) = memory::find(ptr).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
-            type P = CUpointer_attribute;
-            // SAFETY (all arms): `data` is null or valid for the attribute's
-            // type (this function's contract).
-            match attribute {
-                P::CU_POINTER_ATTRIBUTE_MEMORY_TYPE => {
-                    let t = if dev.is_some() {
-                        CUmemorytype_enum::CU_MEMORYTYPE_DEVICE
-                    } else {
-                        CUmemorytype_enum::CU_MEMORYTYPE_HOST
-                    };
-                    // SAFETY: see above.
-                    unsafe { out(data.cast::<c_uint>(), t.0) }
-                }
-                P::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL => {
-                    // SAFETY: see above.
-                    unsafe { out(data.cast::<c_int>(), dev.unwrap_or(-1)) }
-                }
-                P::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR => {
-                    // SAFETY: see above.
-                    unsafe { out(data.cast::<CUdeviceptr>(), start) }
-                }
-                P::CU_POINTER_ATTRIBUTE_RANGE_SIZE => {
-                    // SAFETY: see above.
-                    unsafe { out(data.cast::<usize>(), len) }
-                }
-                P::CU_POINTER_ATTRIBUTE_DEVICE_POINTER => {
-                    // SAFETY: see above.
-                    unsafe { out(data.cast::<CUdeviceptr>(), ptr) }
-                }
-                P::CU_POINTER_ATTRIBUTE_CONTEXT => {
-                    let c = dev.map_or(std::ptr::null_mut(), ctx_handle);
-                    // SAFETY: see above.
-                    unsafe { out(data.cast::<CUcontext>(), c) }
-                }
-                _ => Err(CUresult::CUDA_ERROR_INVALID_VALUE),
-            }
         })())
     })
 }
