@@ -6,7 +6,7 @@
 //
 // Compiled to PTX by `cargo xtask ptx` (nvcc --ptx -arch=compute_80) into
 // one_shot.ptx beside this file; the PTX is committed and loaded at run
-// time with cuModuleLoadData. The CPU emulator (crates/gpu-emu/src/one_shot.rs)
+// time with cuModuleLoadData. The CPU emulator (crates/gpu-emu/src/kernels/one_shot.rs)
 // runs the same protocol and arithmetic by these kernels' names.
 //
 // Protocol (a Lamport-style push: the data says it has arrived, no barrier):
