@@ -527,6 +527,9 @@ pub fn run_threads_in(
     emu: Option<&'static EmuControl>,
     run_dir: &Path,
 ) -> Outcome {
+    if scenario.needs == Needs::Hosts {
+        return Outcome::Skip("needs ranks on two hosts: the nodes and nodes-srun modes".into());
+    }
     let progress = Progress::new(world);
     let (tx, rx) = std::sync::mpsc::channel();
     for rank in 0..world {
