@@ -34,6 +34,11 @@
 //!   `METRALE_HELLO` does not speak the extension (a PyTorch store, or an
 //!   older one of ours): the client goes on without it, once.
 //!
+//! Lock order: a client's one lock (`conn`, its connection) is a leaf, held
+//! for a whole query, waits and reconnects included (`exchange`), and no
+//! other lock is taken under it; a client that must not wait behind
+//! another's waits has a connection of its own (`another`).
+//!
 //! Parts: `connect` opens a connection (the handshake, the backoff),
 //! `exchange` runs one query on a live connection (the retry loop, status
 //! bytes, confirmed sets, the wait and its cancel), and `ops` is the public
