@@ -12,7 +12,10 @@
 //! - no file is over [`MAX_LINES`] lines (src, tests, benches, examples and
 //!   xtask alike; the generated bindings are not checked, and committed PTX
 //!   is not a `.rs` file), except the files in [`BEING_SPLIT`], which must
-//!   each still be over it and still exist, so that the list cannot go stale.
+//!   each still be over it and still exist, so that the list cannot go stale;
+//! - a file of [`LOCK_ORDER_DIRS`] that declares a struct with two or more
+//!   `Mutex<`/`RwLock<` in its fields, or two or more lock statics, says
+//!   "lock order" (any case) in its `//!` doc (docs/style.md, "Locks").
 //!
 //! The checks are line-based heuristics: text inside a string literal on the
 //! same line is ignored by counting quotes before it.
@@ -33,6 +36,10 @@ const BEING_SPLIT: &[&str] = &[
     // The submission path, tickets, poisoning and groups in one file.
     "crates/metrale-comm/src/nccl_backend/submit.rs",
 ];
+
+/// The source trees whose files with several locks must state their lock
+/// order.
+const LOCK_ORDER_DIRS: &[&str] = &["crates/metrale-comm/src", "crates/nccl-safe/src"];
 
 /// Checks one file's text; returns `(line, message)` for each problem.
 fn check_text(text: &str) -> Vec<(usize, String)> {
@@ -269,6 +276,133 @@ fn check_length(rel: &str, lines: usize, being_split: &[&str]) -> Option<String>
     }
 }
 
+/// The code of `line` with string literals blanked and any `//` comment
+/// cut off.
+fn code_only(line: &str) -> String {
+    let end = comment_start(line).unwrap_or(line.len());
+    line[..end]
+        .char_indices()
+        .map(|(i, c)| if in_string(line, i) { ' ' } else { c })
+        .collect()
+}
+
+/// The number of `Mutex<` and `RwLock<` in `code` (not `MutexGuard<`,
+/// `parking_lot::Mutex<` counted).
+fn locks_in(code: &str) -> usize {
+    ["Mutex<", "RwLock<"]
+        .iter()
+        .map(|lock| {
+            code.match_indices(lock)
+                .filter(|(at, _)| {
+                    code[..*at]
+                        .chars()
+                        .next_back()
+                        .is_none_or(|c| !(c.is_alphanumeric() || c == '_'))
+                })
+                .count()
+        })
+        .sum()
+}
+
+/// Whether a line of code starts a struct item (`struct`, with any
+/// visibility).
+fn starts_struct(code: &str) -> bool {
+    let t = code.trim_start();
+    let t = t.strip_prefix("pub").map_or(t, |rest| {
+        let rest = rest.trim_start();
+        match rest.strip_prefix('(') {
+            Some(r) => r.split_once(')').map_or(rest, |(_, after)| after),
+            None => rest,
+        }
+    });
+    t.trim_start().starts_with("struct ")
+}
+
+/// Why `text` must state a lock order it does not: the line and name of
+/// its first struct with two or more locks in its fields, or its second
+/// lock static, when its `//!` doc does not say "lock order" (any case).
+/// Line-based: a struct item runs from its `struct` line until its braces
+/// or parentheses close (or its `;`), counting every lock type in it.
+fn lock_order_problem(text: &str) -> Option<(usize, String)> {
+    let doc: String = text
+        .lines()
+        .take_while(|l| l.starts_with("//!"))
+        .collect::<Vec<_>>()
+        .join(" ")
+        .to_lowercase();
+    if doc.contains("lock order") {
+        return None;
+    }
+    let mut statics = 0;
+    // The struct item being read: its first line, name, bracket depth,
+    // `<` depth (in its header only) and locks so far.
+    let mut open: Option<(usize, String, i32, i32, usize)> = None;
+    for (i, line) in text.lines().enumerate() {
+        let code = code_only(line);
+        let mut item = code.as_str();
+        if open.is_none() && starts_struct(&code) {
+            // Past `struct `: a visibility's parentheses are not counted.
+            item = code.split_once("struct ").map_or(item, |(_, rest)| rest);
+            let name: String = item
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            open = Some((i + 1, name, 0, 0, 0));
+        }
+        if let Some((first, name, depth, angle, locks)) = open.as_mut() {
+            *locks += locks_in(item);
+            let mut closed = false;
+            let mut prev = ' ';
+            for c in item.chars() {
+                match c {
+                    // Generics in the header (`Fn()` in a bound, `->`).
+                    '<' if *depth == 0 => *angle += 1,
+                    '>' if *depth == 0 && prev != '-' => *angle -= 1,
+                    _ if *angle > 0 => {}
+                    '{' | '(' => *depth += 1,
+                    '}' | ')' => {
+                        *depth -= 1;
+                        closed |= *depth == 0;
+                    }
+                    ';' if *depth == 0 => closed = true,
+                    _ => {}
+                }
+                prev = c;
+            }
+            if closed {
+                if *locks >= 2 {
+                    return Some((
+                        *first,
+                        format!(
+                            "struct `{name}` holds {locks} locks but the module doc states no \
+                             lock order; add a `Lock order:` paragraph to the `//!` doc (which \
+                             lock is taken first, which are leaves)"
+                        ),
+                    ));
+                }
+                open = None;
+            }
+            continue;
+        }
+        let t = code.trim_start();
+        let is_static = t.starts_with("static ")
+            || (t.starts_with("pub") && t.split_whitespace().nth(1) == Some("static"));
+        if is_static && locks_in(&code) > 0 {
+            statics += 1;
+            if statics >= 2 {
+                return Some((
+                    i + 1,
+                    "a second lock static but the module doc states no lock order; add a \
+                     `Lock order:` paragraph to the `//!` doc (which lock is taken first, \
+                     which are leaves)"
+                        .to_owned(),
+                ));
+            }
+        }
+    }
+    None
+}
+
 /// Whether `path` is generated bindings (`crates/*/src/bindings.rs`).
 fn is_generated(root: &Path, path: &Path) -> bool {
     let rel: Vec<_> = path
@@ -346,6 +480,77 @@ fn no_file_over_the_line_limit() {
         report.len(),
         report.join("\n")
     );
+}
+
+#[test]
+fn several_locks_state_their_lock_order() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the workspace root")
+        .to_path_buf();
+    let mut report = Vec::new();
+    let mut checked = 0;
+    for file in workspace_files(&root) {
+        let rel = file
+            .strip_prefix(&root)
+            .unwrap_or(&file)
+            .to_string_lossy()
+            .replace('\\', "/");
+        if !LOCK_ORDER_DIRS
+            .iter()
+            .any(|d| rel.starts_with(&format!("{d}/")))
+        {
+            continue;
+        }
+        checked += 1;
+        let text = std::fs::read_to_string(&file)
+            .unwrap_or_else(|e| panic!("tidy: cannot read {}: {e}", file.display()));
+        if let Some((line, msg)) = lock_order_problem(&text) {
+            report.push(format!("{rel}:{line}: {msg}"));
+        }
+    }
+    assert!(checked > 0, "tidy found no files under {LOCK_ORDER_DIRS:?}");
+    assert!(
+        report.is_empty(),
+        "tidy: {} file(s) hold several locks without a lock order:\n{}",
+        report.len(),
+        report.join("\n")
+    );
+}
+
+#[test]
+fn a_struct_or_statics_with_several_locks_need_a_lock_order() {
+    let two = "//! Doc.\n\
+         pub(crate) struct Two {\n\
+         \x20   a: parking_lot::Mutex<u32>,\n\
+         \x20   // b: Mutex<u32> in a comment is no lock\n\
+         \x20   b: std::sync::RwLock<Vec<u8>>,\n\
+         }\n";
+    let p = lock_order_problem(two).expect("two locks");
+    assert_eq!(p.0, 2);
+    assert!(p.1.contains("`Two` holds 2 locks"), "{}", p.1);
+    let stated = format!(
+        "//! Doc.\n//!\n//! Lock {}: `a`, then `b`.\n{}",
+        "ORDER",
+        &two[9..]
+    );
+    assert_eq!(lock_order_problem(&stated), None);
+    // One lock a struct, a guard, a name ending in `Mutex`, a string.
+    let one = "//! Doc.\n\
+         struct A { m: Mutex<u8>, g: Option<MutexGuard<'static, u8>> }\n\
+         struct B(Mutex<u8>);\n\
+         struct C { r: ReentrantMutex<u8>, s: &'static str }\n\
+         fn f(m: &Mutex<u8>, n: &Mutex<u8>) { let _ = \"Mutex<a> Mutex<b>\"; }\n";
+    assert_eq!(lock_order_problem(one), None);
+    // A tuple struct over several lines, and two lock statics.
+    let tuple = "//! Doc.\nstruct T(\n    Mutex<u8>,\n    Mutex<u8>,\n);\n";
+    assert_eq!(lock_order_problem(tuple).map(|p| p.0), Some(2));
+    let generic =
+        "//! Doc.\npub struct G<F: Fn() -> u8> {\n    f: Mutex<F>,\n    g: Mutex<u8>,\n}\n";
+    assert_eq!(lock_order_problem(generic).map(|p| p.0), Some(2));
+    let statics = "//! Doc.\nstatic A: Mutex<u8> = Mutex::new(0);\n\
+         pub(crate) static B: RwLock<u8> = RwLock::new(0);\n";
+    assert_eq!(lock_order_problem(statics).map(|p| p.0), Some(3));
 }
 
 #[test]

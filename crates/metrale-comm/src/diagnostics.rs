@@ -7,6 +7,11 @@
 //! slot of sequence `s` is `(s - 1) % capacity` and a slot is valid for `s`
 //! only while it still holds `s`.
 //!
+//! Lock order: a recorder's one lock (`ring`) is a leaf, held only to read
+//! or write slots, never across I/O or another lock (a dump copies the ring,
+//! then writes). Others take it inside their own: `NcclBackend` under its
+//! slot lock to record, the census of backends under the census lock.
+//!
 //! When something goes wrong, each rank writes its ring to
 //! `DIR/metrale-fr-rank{rank}-gen{generation}.json` ([`Dump`]), atomically
 //! (temporary file, then rename). [`analyze`] reads the dumps of all ranks and

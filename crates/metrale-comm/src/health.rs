@@ -5,6 +5,11 @@
 //! `check` reads three atomics on the healthy path and takes no lock, so it
 //! costs a few nanoseconds on every submission; a refused call never reaches
 //! NCCL. Public so that benchmarks measure the real check.
+//!
+//! Lock order: the one lock (`failure`) is a leaf, held to read, set or
+//! clear the first failure. `poison`'s closure runs under it, so it builds
+//! the failure from what the caller already holds and takes no lock
+//! (`NcclBackend` asks the census before it poisons).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

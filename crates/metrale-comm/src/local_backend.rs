@@ -6,6 +6,11 @@
 //! `reduce_scatter` copy on the backend's stream (nothing when in place);
 //! send and receive have no peer and are [`CommError::Unsupported`]. Input is
 //! validated exactly as `NcclBackend` validates it.
+//!
+//! Lock order: none nested. `group`, `registered` and `allocations` are
+//! leaves, each taken alone for one look-up, insert, removal or clear and
+//! never held across another lock (a symmetric allocation removed or
+//! cleared is freed under its lock, a driver call).
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -7,12 +7,15 @@
 //! communicator's kernel waits for a peer (decision 0016): the one that
 //! times out then names the others' pending operations, not only its own.
 //!
-//! Invariants: the census lock is taken only to register, to deregister
-//! and to read the others' recorders, never while any backend lock is
-//! held by the caller other than a recorder's, which is a leaf taken
-//! inside it; entries hold only a weak reference to a recorder, so the
+//! Invariants: entries hold only a weak reference to a recorder, so the
 //! census never keeps a backend's state alive, and an entry is removed
 //! when its backend's state is dropped.
+//!
+//! Lock order: the census lock (`LIVE`, the one static), then each other
+//! backend's recorder lock, a leaf, one at a time (reading its work in
+//! flight). The census lock is taken only to register, to deregister and
+//! to read the others' recorders, and never while the caller holds a lock
+//! of its backend (poisoning asks the census before it takes any).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};

@@ -21,11 +21,19 @@
 //!   destroyed communicator.
 //! - Lock order: `slot`, then `watched` (which also holds the event pool);
 //!   `abort`, `one_shot_flags` and `idle_pending` are leaves (held for a
-//!   copy, a load or a swap, never across another lock). The watchdog never
-//!   takes `slot`, and holds `watched` only to copy or pop a queue's front,
-//!   never across a driver call (a submitter holds it across one
-//!   `cuEventRecord`); the call a blocking communicator is inside is
-//!   published in two atomics.
+//!   copy, a load, a swap, or the abort or event query they guard, never
+//!   across another of the backend's locks), and so is
+//!   `NcclBackend::watchdog` (held to join the watchdog thread, which never
+//!   takes it). The watchdog never takes `slot`, and holds `watched` only
+//!   to copy or pop a queue's front, never across a driver call (a
+//!   submitter holds it across one `cuEventRecord`); the call a blocking
+//!   communicator is inside is published in two atomics. The locks of the
+//!   parts come after these: `health`'s and the flight recorder's are
+//!   leaves (the recorder's is taken under `slot` to record); the census
+//!   lock is taken with no lock of the backend held (`census`); a
+//!   rendezvous's locks are taken under `slot` (connect, the one-shot
+//!   release barrier) and never take a backend lock; nccl-safe's
+//!   communicator state lock comes last, inside NCCL calls and aborts.
 //! - Every submission is health-checked, recorded in the flight recorder,
 //!   and (unless captured into a CUDA graph or grouped) watched: a
 //!   completion event goes to the watchdog, which poisons and aborts on a

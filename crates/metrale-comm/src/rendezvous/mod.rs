@@ -16,6 +16,11 @@
 //! ([`Rendezvous::group`]: a sub-communicator's ranks) keeps its keys under
 //! `{namespace}group/{name}/` of the same store; every wait is bounded by a
 //! caller-given timeout.
+//!
+//! Lock order: a rendezvous's locks are leaves, never nested:
+//! `BarrierCounters`'s is taken alone to number a barrier, a
+//! [`StoreClient`]'s for one query (`client`, `tcp`); the store server
+//! shares none with its loop (`server`).
 
 mod client;
 mod event_loop;

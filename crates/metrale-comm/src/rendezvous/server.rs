@@ -15,6 +15,10 @@
 //! - The loop never blocks: every socket is non-blocking, and the only
 //!   wait is `poll`, bounded by the next check of the deadlines (100 ms).
 //! - Dropping the server stops the loop and waits a bounded time for it.
+//!
+//! Lock order: no lock is shared with the loop (atomics and a waker). The
+//! handle's one mutex (`done`) is reached only through `&mut self`
+//! (`get_mut`, at stop) and is never locked.
 
 use std::net::{SocketAddr, TcpListener};
 use std::os::fd::AsRawFd;

@@ -26,6 +26,12 @@
 //! store on a connection of its own (opened at its first query), under
 //! `{ns}group/{name}/`; rank 0's store lives until its rendezvous and
 //! every group made from it are gone.
+//!
+//! Lock order: none nested. A [`TcpRendezvous`] has two locks, its barrier
+//! counters (taken alone to number a barrier, released before any query)
+//! and its client's connection lock (held for one query, `StoreClient`);
+//! neither is held while the other is taken. A backend may hold its own
+//! locks while it calls a rendezvous; a rendezvous never calls a backend.
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -4,6 +4,15 @@
 //! Invariant: the raw handle is used only under the lock while the status is
 //! live; abort and destroy take the lock, so an abort never touches a
 //! destroyed communicator.
+//!
+//! Lock order: none nested. A communicator's state lock is a leaf: held
+//! across the NCCL call it guards (abort, the asynchronous-error query, the
+//! last-error text) and making the context current, never across another
+//! lock, and no two communicators' state locks are held at once. The
+//! hand-off of a blocking join (`Pending`, `Comm::into_blocking`) has a
+//! lock of its own, a leaf too: it is set or swapped under it, and the
+//! abort it leads to is made after it is released. A caller may hold its
+//! own locks around any of these (the backend's slot or abort lock).
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -32,6 +32,10 @@
 //!   handshake is never evicted.
 //! - A panic while handling one connection's event closes that connection
 //!   and nothing else.
+//!
+//! Lock order: there are no locks here. The loop thread owns the
+//! connections, the store and the memory budget, and shares only
+//! `server::Shared` (atomics) with the server's handle.
 
 use std::collections::VecDeque;
 use std::io::ErrorKind;
