@@ -107,8 +107,8 @@ fn refusal_of(e: &RendezvousError) -> Option<StoreLimit> {
     }
 }
 
-/// Runs one rank's exchange and barrier in each of `world` threads (rank 0
-/// serving the store on `addr`, built by `make`); every rank's id.
+/// Runs one rank's exchange and two barriers in each of `world` threads
+/// (rank 0 serving the store on `addr`, built by `make`); every rank's id.
 fn run_world(
     world: usize,
     make: impl Fn(usize) -> Result<TcpRendezvous, RendezvousError> + Send + Sync + 'static,
@@ -119,7 +119,7 @@ fn run_world(
             let make = Arc::clone(&make);
             std::thread::Builder::new()
                 .stack_size(256 << 10)
-                .spawn(move || -> Result<[u8; ID_LEN]> {
+                .spawn(move || -> Result<([u8; ID_LEN], TcpRendezvous)> {
                     let rv = make(rank).with_context(|| format!("rank {rank}: connect"))?;
                     let mut id = || Ok([7u8; ID_LEN]);
                     let got = rv
@@ -127,17 +127,23 @@ fn run_world(
                         .with_context(|| format!("rank {rank}: id"))?;
                     rv.barrier("first", T)
                         .with_context(|| format!("rank {rank}: barrier"))?;
-                    // Rank 0 keeps its store until every rank is through.
                     rv.barrier("last", T)
                         .with_context(|| format!("rank {rank}: last barrier"))?;
-                    Ok(got)
+                    Ok((got, rv))
                 })
                 .expect("spawn a rank")
         })
         .collect();
-    threads
+    // Every rendezvous, rank 0's store with it, lives until every rank is
+    // through: rank 0 passes the last barrier once every rank has arrived,
+    // which can be before a rank has sent the wait that hears of it.
+    let results: Vec<_> = threads
         .into_iter()
         .map(|t| t.join().expect("rank thread panicked"))
+        .collect();
+    results
+        .into_iter()
+        .map(|r| r.map(|(id, _rv)| id))
         .collect()
 }
 
