@@ -141,10 +141,7 @@ fn run_world(
         .into_iter()
         .map(|t| t.join().expect("rank thread panicked"))
         .collect();
-    results
-        .into_iter()
-        .map(|r| r.map(|(id, _rv)| id))
-        .collect()
+    results.into_iter().map(|r| r.map(|(id, _rv)| id)).collect()
 }
 
 #[test]
