@@ -21,10 +21,7 @@ use parking_lot::Mutex;
 
 use crate::backend::{AddKernel, CommBackend, Registration, Result, SymmetricAlloc};
 use crate::error::CommError;
-use crate::validate::{
-    Span, check_alloc, check_command, check_counts, check_pair, check_rank, check_reducible,
-    check_register, check_view,
-};
+use crate::validate::{self, Ranks, Span, check_alloc, check_register};
 
 /// A one-rank backend (see the module docs).
 pub struct LocalBackend {
@@ -112,31 +109,18 @@ impl LocalBackend {
             .is_some_and(|(owner, _)| owner == std::thread::current().id())
     }
 
-    /// Checks a pair of views of one rank: the same type and length.
-    fn check_copy(op: &'static str, send: Span, recv: Span) -> Result<()> {
-        check_view(op, "send buffer", send)?;
-        check_view(op, "receive buffer", recv)?;
-        check_pair(
-            op,
-            ("the send buffer", send),
-            ("the receive buffer", recv),
-            1,
-        )
-    }
+    /// The one rank of the one-rank world, for the argument checks.
+    const RANKS: Ranks = Ranks { rank: 0, size: 1 };
 }
 
 impl CommBackend for LocalBackend {
     fn all_reduce(&self, buf: DeviceViewMut<'_>) -> Result<()> {
-        let s = Span::from(&buf);
-        check_view("all_reduce", "buffer", s)?;
-        check_reducible("all_reduce", s)?;
+        validate::all_reduce("all_reduce", Span::from(&buf))?;
         self.check("all_reduce")
     }
 
     fn all_reduce_async(&self, buf: DeviceViewMut<'_>, _compute: StreamRef<'_>) -> Result<()> {
-        let s = Span::from(&buf);
-        check_view("all_reduce_async", "buffer", s)?;
-        check_reducible("all_reduce_async", s)?;
+        validate::all_reduce("all_reduce_async", Span::from(&buf))?;
         self.check("all_reduce_async")
     }
 
@@ -187,19 +171,14 @@ impl CommBackend for LocalBackend {
     }
 
     fn set_add_kernel(&self, kernel: AddKernel) -> Result<()> {
-        if kernel.raw().is_null() {
-            return Err(CommError::InvalidArgument {
-                op: "set_add_kernel",
-                reason: "null CUfunction".into(),
-            });
-        }
+        validate::add_kernel("set_add_kernel", &kernel)?;
         self.check("set_add_kernel")
     }
 
     fn all_gather(&self, send: DeviceView<'_>, recv: DeviceViewMut<'_>) -> Result<()> {
         const OP: &str = "all_gather";
         let (s, r) = (Span::from(&send), Span::from(&recv));
-        Self::check_copy(OP, s, r)?;
+        validate::all_gather(OP, s, r, 1)?;
         self.check(OP)?;
         // SAFETY: both views hold `s.bytes()` (one rank: equal lengths,
         // checked) on this context.
@@ -209,27 +188,22 @@ impl CommBackend for LocalBackend {
     fn reduce_scatter(&self, send: DeviceView<'_>, recv: DeviceViewMut<'_>) -> Result<()> {
         const OP: &str = "reduce_scatter";
         let (s, r) = (Span::from(&send), Span::from(&recv));
-        Self::check_copy(OP, s, r)?;
-        check_reducible(OP, s)?;
+        validate::reduce_scatter(OP, s, r, 1)?;
         self.check(OP)?;
         // SAFETY: as in all_gather.
         unsafe { self.copy(OP, r.ptr, s.ptr, s.bytes()) }
     }
 
     fn broadcast(&self, buf: DeviceViewMut<'_>, root: usize) -> Result<()> {
-        check_view("broadcast", "buffer", Span::from(&buf))?;
-        check_rank("broadcast", "root", root, 1)?;
+        validate::broadcast("broadcast", Span::from(&buf), root, 1)?;
         self.check("broadcast")
     }
 
     fn recv_command_u32(&self, buf: DeviceViewMut<'_>, root: usize) -> Result<()> {
         const OP: &str = "recv_command_u32";
-        check_command(OP, Span::from(&buf))?;
-        check_rank(OP, "root", root, 1)?;
-        Err(CommError::InvalidArgument {
-            op: OP,
-            reason: "rank 0 is the root: only other ranks receive commands".into(),
-        })
+        // The one rank is every command's root: this always refuses.
+        validate::command(OP, Span::from(&buf), root, Self::RANKS)?;
+        self.check(OP)
     }
 
     fn barrier(&self) -> Result<()> {
@@ -261,7 +235,7 @@ impl CommBackend for LocalBackend {
     fn all_to_all(&self, send: DeviceView<'_>, recv: DeviceViewMut<'_>) -> Result<()> {
         const OP: &str = "all_to_all";
         let (s, r) = (Span::from(&send), Span::from(&recv));
-        Self::check_copy(OP, s, r)?;
+        validate::all_to_all(OP, s, r, 1)?;
         self.check(OP)?;
         // SAFETY: as in all_gather.
         unsafe { self.copy(OP, r.ptr, s.ptr, s.bytes()) }
@@ -276,23 +250,14 @@ impl CommBackend for LocalBackend {
     ) -> Result<()> {
         const OP: &str = "all_to_all_v";
         let (s, r) = (Span::from(&send), Span::from(&recv));
-        check_view(OP, "send buffer", s)?;
-        check_view(OP, "receive buffer", r)?;
-        check_counts(OP, "send_counts", send_counts, 1, s.len)?;
-        check_counts(OP, "recv_counts", recv_counts, 1, r.len)?;
-        if s.dtype != r.dtype || send_counts[0] != recv_counts[0] {
-            return Err(CommError::InvalidArgument {
-                op: OP,
-                reason: "one rank sends itself what it receives: the types and counts must match"
-                    .into(),
-            });
-        }
+        validate::all_to_all_v(OP, (s, send_counts), (r, recv_counts), Self::RANKS)?;
         self.check(OP)?;
         // SAFETY: `send_counts[0]` elements fit both views (checked).
         unsafe { self.copy(OP, r.ptr, s.ptr, send_counts[0] * s.dtype.size()) }
     }
 
-    fn split(&self, color: Option<u32>, _key: usize) -> Result<Option<Box<dyn CommBackend>>> {
+    fn split(&self, color: Option<u32>, key: usize) -> Result<Option<Box<dyn CommBackend>>> {
+        validate::split("split", color, key)?;
         self.check("split")?;
         match color {
             None => Ok(None),

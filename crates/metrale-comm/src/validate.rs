@@ -1,12 +1,17 @@
-//! Argument checks shared by the backends: they run before anything is
-//! submitted, so bad input is a typed error and never poisons a healthy
-//! communicator.
+//! Argument checks shared by the backends: one function per operation of
+//! [`crate::CommBackend`] (`all_reduce`, `all_gather`, ...), which both
+//! `NcclBackend` and `LocalBackend` call before anything is submitted, so
+//! bad input is a typed error, the same one from either backend, and never
+//! poisons a healthy communicator. The argument checks they are built of
+//! (`check_*`) come after them.
 //!
-//! Invariant: every check names the operation and the argument it refused.
+//! Invariant: every check names the operation and the argument it refused;
+//! a check reads its arguments and the world's shape ([`Ranks`]), nothing
+//! else, so it cannot touch a communicator.
 
 use nccl_safe::{DataType, DeviceView, DeviceViewMut};
 
-use crate::backend::Result;
+use crate::backend::{AddKernel, Result};
 use crate::error::CommError;
 
 fn invalid(op: &'static str, reason: String) -> CommError {
@@ -47,9 +52,163 @@ impl From<&DeviceViewMut<'_>> for Span {
     }
 }
 
+/// This rank and the size of its world, for the checks that name ranks.
+#[derive(Clone, Copy)]
+pub(crate) struct Ranks {
+    pub rank: usize,
+    pub size: usize,
+}
+
+/// `all_reduce` and `all_reduce_async`: a valid view of a reducible type.
+pub(crate) fn all_reduce(op: &'static str, buf: Span) -> Result<()> {
+    check_view(op, "buffer", buf)?;
+    check_reducible(op, buf)
+}
+
+/// `all_gather`: valid views of one type, the receive buffer `world` times
+/// the send buffer.
+pub(crate) fn all_gather(op: &'static str, send: Span, recv: Span, world: usize) -> Result<()> {
+    check_view(op, "send buffer", send)?;
+    check_view(op, "receive buffer", recv)?;
+    check_pair(
+        op,
+        ("the send buffer", send),
+        ("the receive buffer", recv),
+        world,
+    )
+}
+
+/// `reduce_scatter`: valid views of one reducible type, the send buffer
+/// `world` times the receive buffer.
+pub(crate) fn reduce_scatter(op: &'static str, send: Span, recv: Span, world: usize) -> Result<()> {
+    check_view(op, "send buffer", send)?;
+    check_view(op, "receive buffer", recv)?;
+    check_reducible(op, send)?;
+    check_pair(
+        op,
+        ("the receive buffer", recv),
+        ("the send buffer", send),
+        world,
+    )
+}
+
+/// `broadcast`: a valid view and a root in the world.
+pub(crate) fn broadcast(op: &'static str, buf: Span, root: usize, world: usize) -> Result<()> {
+    check_view(op, "buffer", buf)?;
+    check_rank(op, "root", root, world)
+}
+
+/// `recv_command_u32`: one u32, from a root that is another rank.
+pub(crate) fn command(op: &'static str, buf: Span, root: usize, ranks: Ranks) -> Result<()> {
+    check_command(op, buf)?;
+    check_rank(op, "root", root, ranks.size)?;
+    if root == ranks.rank {
+        return Err(invalid(
+            op,
+            format!("rank {root} is the root: only other ranks receive commands"),
+        ));
+    }
+    Ok(())
+}
+
+/// `send_to` and `recv_from` (`verb`: "send to", "receive from"): a valid
+/// view and a peer that is another rank of the world.
+pub(crate) fn point_to_point(
+    op: &'static str,
+    buf: Span,
+    peer: usize,
+    ranks: Ranks,
+    verb: &str,
+) -> Result<()> {
+    check_view(op, "buffer", buf)?;
+    check_rank(op, "peer", peer, ranks.size)?;
+    if peer == ranks.rank {
+        return Err(invalid(op, format!("rank {peer} cannot {verb} itself")));
+    }
+    Ok(())
+}
+
+/// `all_to_all`: valid views of one type and length, in `world` equal
+/// blocks.
+pub(crate) fn all_to_all(op: &'static str, send: Span, recv: Span, world: usize) -> Result<()> {
+    check_view(op, "send buffer", send)?;
+    check_view(op, "receive buffer", recv)?;
+    check_pair(
+        op,
+        ("the send buffer", send),
+        ("the receive buffer", recv),
+        1,
+    )?;
+    if !send.len.is_multiple_of(world) {
+        return Err(invalid(
+            op,
+            format!(
+                "{} elements do not split into {world} equal blocks",
+                send.len
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `all_to_all_v`: valid views of one type, one count per rank that fits
+/// each view, and as much sent to this rank as received from it.
+pub(crate) fn all_to_all_v(
+    op: &'static str,
+    (send, send_counts): (Span, &[usize]),
+    (recv, recv_counts): (Span, &[usize]),
+    ranks: Ranks,
+) -> Result<()> {
+    check_view(op, "send buffer", send)?;
+    check_view(op, "receive buffer", recv)?;
+    if send.dtype != recv.dtype {
+        return Err(invalid(
+            op,
+            format!(
+                "the send buffer holds {} but the receive buffer holds {}",
+                send.dtype, recv.dtype
+            ),
+        ));
+    }
+    check_counts(op, "send_counts", send_counts, ranks.size, send.len)?;
+    check_counts(op, "recv_counts", recv_counts, ranks.size, recv.len)?;
+    let me = ranks.rank;
+    if send_counts[me] != recv_counts[me] {
+        return Err(invalid(
+            op,
+            format!(
+                "this rank sends itself {} elements but receives {}",
+                send_counts[me], recv_counts[me]
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `set_add_kernel`: a kernel handle that is not null.
+pub(crate) fn add_kernel(op: &'static str, kernel: &AddKernel) -> Result<()> {
+    if kernel.raw().is_null() {
+        return Err(invalid(op, "null CUfunction".into()));
+    }
+    Ok(())
+}
+
+/// `split`: a color and a key that NCCL's `int`s hold.
+pub(crate) fn split(
+    op: &'static str,
+    color: Option<u32>,
+    key: usize,
+) -> Result<(Option<i32>, i32)> {
+    let color = color
+        .map(|c| i32::try_from(c).map_err(|_| invalid(op, format!("color {c} exceeds i32::MAX"))))
+        .transpose()?;
+    let key = i32::try_from(key).map_err(|_| invalid(op, format!("key {key} exceeds i32::MAX")))?;
+    Ok((color, key))
+}
+
 /// Checks a view: non-null when non-empty, aligned to its element, and a
 /// size that does not overflow.
-pub(crate) fn check_view(op: &'static str, what: &str, s: Span) -> Result<()> {
+fn check_view(op: &'static str, what: &str, s: Span) -> Result<()> {
     if s.len.checked_mul(s.dtype.size()).is_none() {
         return Err(invalid(op, format!("{what}: {} elements overflow", s.len)));
     }
@@ -72,7 +231,7 @@ pub(crate) fn check_view(op: &'static str, what: &str, s: Span) -> Result<()> {
 
 /// Checks a reduction's element type: NCCL reduces it on every GPU the
 /// stack supports.
-pub(crate) fn check_reducible(op: &'static str, s: Span) -> Result<()> {
+fn check_reducible(op: &'static str, s: Span) -> Result<()> {
     if !s.dtype.is_reducible_everywhere() {
         return Err(invalid(
             op,
@@ -86,7 +245,7 @@ pub(crate) fn check_reducible(op: &'static str, s: Span) -> Result<()> {
 }
 
 /// Checks that `b` has `a`'s type and `factor` times its length.
-pub(crate) fn check_pair(
+fn check_pair(
     op: &'static str,
     (a_name, a): (&str, Span),
     (b_name, b): (&str, Span),
@@ -114,7 +273,7 @@ pub(crate) fn check_pair(
     Ok(())
 }
 
-pub(crate) fn check_rank(op: &'static str, what: &str, r: usize, world_size: usize) -> Result<()> {
+fn check_rank(op: &'static str, what: &str, r: usize, world_size: usize) -> Result<()> {
     if r >= world_size {
         return Err(invalid(
             op,
@@ -142,7 +301,7 @@ pub(crate) fn check_alloc(op: &'static str, bytes: usize) -> Result<()> {
 }
 
 /// Checks a command buffer: exactly 4 bytes.
-pub(crate) fn check_command(op: &'static str, s: Span) -> Result<()> {
+fn check_command(op: &'static str, s: Span) -> Result<()> {
     check_view(op, "command buffer", s)?;
     if s.bytes() != 4 {
         return Err(invalid(
@@ -154,7 +313,7 @@ pub(crate) fn check_command(op: &'static str, s: Span) -> Result<()> {
 }
 
 /// Checks all-to-all counts: one per rank, and the sum fits the view.
-pub(crate) fn check_counts(
+fn check_counts(
     op: &'static str,
     what: &str,
     counts: &[usize],
@@ -178,4 +337,78 @@ pub(crate) fn check_counts(
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const R: Ranks = Ranks { rank: 1, size: 4 };
+
+    fn span(ptr: u64, len: usize, dtype: DataType) -> Span {
+        Span { ptr, len, dtype }
+    }
+
+    fn refused(r: Result<()>) -> String {
+        match r {
+            Err(CommError::InvalidArgument { reason, .. }) => reason,
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn each_operation_refuses_what_it_must() {
+        let bf = |len| span(0x1000, len, DataType::Bfloat16);
+        assert!(all_reduce("all_reduce", bf(8)).is_ok());
+        assert!(
+            refused(all_reduce(
+                "all_reduce",
+                span(0x1001, 8, DataType::Bfloat16)
+            ))
+            .contains("aligned")
+        );
+        assert!(refused(all_reduce("all_reduce", span(0, 8, DataType::Float32))).contains("null"));
+        assert!(all_gather("all_gather", bf(2), bf(8), 4).is_ok());
+        assert!(refused(all_gather("all_gather", bf(2), bf(6), 4)).contains("needs 8"));
+        assert!(reduce_scatter("reduce_scatter", bf(8), bf(2), 4).is_ok());
+        assert!(refused(reduce_scatter("reduce_scatter", bf(8), bf(3), 4)).contains("needs"));
+        assert!(refused(broadcast("broadcast", bf(1), 4, 4)).contains("root 4"));
+        let word = span(0x1000, 1, DataType::Uint32);
+        assert!(command("recv_command_u32", word, 0, R).is_ok());
+        assert!(refused(command("recv_command_u32", word, 1, R)).contains("is the root"));
+        assert!(refused(command("recv_command_u32", bf(1), 0, R)).contains("one u32"));
+        assert!(point_to_point("send_to", bf(1), 0, R, "send to").is_ok());
+        assert!(refused(point_to_point("send_to", bf(1), 1, R, "send to")).contains("itself"));
+        assert!(refused(all_to_all("all_to_all", bf(6), bf(6), 4)).contains("equal blocks"));
+        assert!(
+            all_to_all_v(
+                "all_to_all_v",
+                (bf(4), &[1, 1, 1, 1]),
+                (bf(4), &[1, 1, 1, 1]),
+                R
+            )
+            .is_ok()
+        );
+        assert!(
+            refused(all_to_all_v(
+                "all_to_all_v",
+                (bf(4), &[1, 2, 1, 0]),
+                (bf(4), &[1, 1, 1, 1]),
+                R
+            ))
+            .contains("sends itself 2")
+        );
+        assert!(
+            refused(all_to_all_v(
+                "all_to_all_v",
+                (bf(4), &[1, 1, 1]),
+                (bf(4), &[1, 1, 1, 1]),
+                R
+            ))
+            .contains("3 counts for 4 ranks")
+        );
+        assert!(split("split", Some(u32::MAX), 0).is_err());
+        assert!(split("split", None, usize::MAX).is_err());
+        assert_eq!(split("split", Some(3), 5).ok(), Some((Some(3), 5)));
+    }
 }

@@ -116,18 +116,7 @@ impl NcclBackend {
     pub fn split_backend(&self, color: Option<u32>, key: usize) -> Result<Option<NcclBackend>> {
         const OP: &str = "split";
         let inner = &*self.inner;
-        let color = color
-            .map(|c| {
-                i32::try_from(c).map_err(|_| CommError::InvalidArgument {
-                    op: OP,
-                    reason: format!("color {c} exceeds i32::MAX"),
-                })
-            })
-            .transpose()?;
-        let key = i32::try_from(key).map_err(|_| CommError::InvalidArgument {
-            op: OP,
-            reason: format!("key {key} exceeds i32::MAX"),
-        })?;
+        let (color, key) = crate::validate::split(OP, color, key)?;
         inner.check_usable(OP)?;
         let slot = inner.lock_slot(OP)?;
         inner.refuse_in_group(&slot, OP)?;

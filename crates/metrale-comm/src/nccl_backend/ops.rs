@@ -18,10 +18,7 @@ use super::NcclBackend;
 use super::submit::{GroupState, OpInfo, StreamSel, Ticket, nccl_group_call};
 use crate::backend::{AddKernel, CommBackend, Registration, Result, SymmetricAlloc};
 use crate::error::{CommError, FailureKind};
-use crate::validate::{
-    Span, check_alloc, check_command, check_counts, check_pair, check_rank, check_reducible,
-    check_register, check_view,
-};
+use crate::validate::{self, Ranks, Span, check_alloc, check_register};
 
 impl NcclBackend {
     /// A collective on the backend's own stream that waits for nothing.
@@ -37,19 +34,19 @@ impl NcclBackend {
         Ok(())
     }
 
-    /// A broadcast from `root` waited for on the host: with the collective
-    /// deadline, or idle (no deadline) for `recv_command_u32`.
-    fn broadcast_wait(
-        &self,
-        op: &'static str,
-        buf: DeviceViewMut<'_>,
-        root: usize,
-        idle: bool,
-    ) -> Result<()> {
+    /// This rank and its world, for the argument checks.
+    fn ranks(&self) -> Ranks {
+        Ranks {
+            rank: self.inner.rank,
+            size: self.inner.world_size,
+        }
+    }
+
+    /// A broadcast from `root` of the checked view `s`, waited for on the
+    /// host: with the collective deadline, or idle (no deadline) for
+    /// `recv_command_u32`.
+    fn broadcast_wait(&self, op: &'static str, s: Span, root: usize, idle: bool) -> Result<()> {
         let inner = &*self.inner;
-        let s = Span::from(&buf);
-        check_view(op, "buffer", s)?;
-        check_rank(op, "root", root, inner.world_size)?;
         self.refuse_in_own_group(op)?;
         if s.len == 0 {
             return inner.check_usable(op);
@@ -105,17 +102,8 @@ impl NcclBackend {
         send: bool,
     ) -> Result<()> {
         let inner = &*self.inner;
-        check_view(op, "buffer", s)?;
-        check_rank(op, "peer", peer, inner.world_size)?;
-        if peer == inner.rank {
-            return Err(CommError::InvalidArgument {
-                op,
-                reason: format!(
-                    "rank {peer} cannot {} itself",
-                    if send { "send to" } else { "receive from" }
-                ),
-            });
-        }
+        let verb = if send { "send to" } else { "receive from" };
+        validate::point_to_point(op, s, peer, self.ranks(), verb)?;
         if s.len == 0 {
             return inner.check_usable(op);
         }
@@ -208,8 +196,7 @@ impl CommBackend for NcclBackend {
     fn all_reduce(&self, buf: DeviceViewMut<'_>) -> Result<()> {
         const OP: &str = "all_reduce";
         let s = Span::from(&buf);
-        check_view(OP, "buffer", s)?;
-        check_reducible(OP, s)?;
+        validate::all_reduce(OP, s)?;
         if s.len == 0 {
             return self.inner.check_usable(OP);
         }
@@ -228,8 +215,7 @@ impl CommBackend for NcclBackend {
     ) -> Result<()> {
         const OP: &str = "all_reduce_async";
         let s = Span::from(&buf);
-        check_view(OP, "buffer", s)?;
-        check_reducible(OP, s)?;
+        validate::all_reduce(OP, s)?;
         if s.len == 0 {
             return self.inner.check_usable(OP);
         }
@@ -316,12 +302,7 @@ impl CommBackend for NcclBackend {
 
     fn set_add_kernel(&self, kernel: AddKernel) -> Result<()> {
         const OP: &str = "set_add_kernel";
-        if kernel.raw().is_null() {
-            return Err(CommError::InvalidArgument {
-                op: OP,
-                reason: "null CUfunction".into(),
-            });
-        }
+        validate::add_kernel(OP, &kernel)?;
         self.inner.check_usable(OP)?;
         let mut slot = self.inner.lock_slot(OP)?;
         slot.kernel = Some(kernel);
@@ -336,14 +317,7 @@ impl CommBackend for NcclBackend {
     fn all_gather(&self, send: DeviceView<'_>, recv: DeviceViewMut<'_>) -> Result<()> {
         const OP: &str = "all_gather";
         let (s, r) = (Span::from(&send), Span::from(&recv));
-        check_view(OP, "send buffer", s)?;
-        check_view(OP, "receive buffer", r)?;
-        check_pair(
-            OP,
-            ("the send buffer", s),
-            ("the receive buffer", r),
-            self.inner.world_size,
-        )?;
+        validate::all_gather(OP, s, r, self.inner.world_size)?;
         if s.len == 0 {
             return self.inner.check_usable(OP);
         }
@@ -358,15 +332,7 @@ impl CommBackend for NcclBackend {
     fn reduce_scatter(&self, send: DeviceView<'_>, recv: DeviceViewMut<'_>) -> Result<()> {
         const OP: &str = "reduce_scatter";
         let (s, r) = (Span::from(&send), Span::from(&recv));
-        check_view(OP, "send buffer", s)?;
-        check_view(OP, "receive buffer", r)?;
-        check_reducible(OP, s)?;
-        check_pair(
-            OP,
-            ("the receive buffer", r),
-            ("the send buffer", s),
-            self.inner.world_size,
-        )?;
+        validate::reduce_scatter(OP, s, r, self.inner.world_size)?;
         if r.len == 0 {
             return self.inner.check_usable(OP);
         }
@@ -378,20 +344,17 @@ impl CommBackend for NcclBackend {
     }
 
     fn broadcast(&self, buf: DeviceViewMut<'_>, root: usize) -> Result<()> {
-        self.broadcast_wait("broadcast", buf, root, false)
+        const OP: &str = "broadcast";
+        let s = Span::from(&buf);
+        validate::broadcast(OP, s, root, self.inner.world_size)?;
+        self.broadcast_wait(OP, s, root, false)
     }
 
     fn recv_command_u32(&self, buf: DeviceViewMut<'_>, root: usize) -> Result<()> {
         const OP: &str = "recv_command_u32";
-        check_command(OP, Span::from(&buf))?;
-        check_rank(OP, "root", root, self.inner.world_size)?;
-        if root == self.inner.rank {
-            return Err(CommError::InvalidArgument {
-                op: OP,
-                reason: format!("rank {root} is the root: only other ranks receive commands"),
-            });
-        }
-        self.broadcast_wait(OP, buf, root, true)
+        let s = Span::from(&buf);
+        validate::command(OP, s, root, self.ranks())?;
+        self.broadcast_wait(OP, s, root, true)
     }
 
     fn barrier(&self) -> Result<()> {
@@ -433,15 +396,7 @@ impl CommBackend for NcclBackend {
         const OP: &str = "all_to_all";
         let w = self.inner.world_size;
         let (s, r) = (Span::from(&send), Span::from(&recv));
-        check_view(OP, "send buffer", s)?;
-        check_view(OP, "receive buffer", r)?;
-        check_pair(OP, ("the send buffer", s), ("the receive buffer", r), 1)?;
-        if !s.len.is_multiple_of(w) {
-            return Err(CommError::InvalidArgument {
-                op: OP,
-                reason: format!("{} elements do not split into {w} equal blocks", s.len),
-            });
-        }
+        validate::all_to_all(OP, s, r, w)?;
         if s.len == 0 {
             return self.inner.check_usable(OP);
         }
@@ -457,31 +412,8 @@ impl CommBackend for NcclBackend {
         recv_counts: &[usize],
     ) -> Result<()> {
         const OP: &str = "all_to_all_v";
-        let w = self.inner.world_size;
         let (s, r) = (Span::from(&send), Span::from(&recv));
-        check_view(OP, "send buffer", s)?;
-        check_view(OP, "receive buffer", r)?;
-        if s.dtype != r.dtype {
-            return Err(CommError::InvalidArgument {
-                op: OP,
-                reason: format!(
-                    "the send buffer holds {} but the receive buffer holds {}",
-                    s.dtype, r.dtype
-                ),
-            });
-        }
-        check_counts(OP, "send_counts", send_counts, w, s.len)?;
-        check_counts(OP, "recv_counts", recv_counts, w, r.len)?;
-        let me = self.inner.rank;
-        if send_counts[me] != recv_counts[me] {
-            return Err(CommError::InvalidArgument {
-                op: OP,
-                reason: format!(
-                    "this rank sends itself {} elements but receives {}",
-                    send_counts[me], recv_counts[me]
-                ),
-            });
-        }
+        validate::all_to_all_v(OP, (s, send_counts), (r, recv_counts), self.ranks())?;
         if send_counts.iter().chain(recv_counts).all(|&c| c == 0) {
             return self.inner.check_usable(OP);
         }
