@@ -27,16 +27,6 @@ use std::path::{Path, PathBuf};
 /// line count.
 const MAX_LINES: usize = 800;
 
-/// Files over [`MAX_LINES`] whose split is under way, as paths from the
-/// workspace root. This list only shrinks: a file leaves it in the change
-/// that splits it (the length test fails once a listed file is at or under
-/// the limit, or gone), and no file is added to it; a file that grows past
-/// the limit is split in the change that grows it.
-const BEING_SPLIT: &[&str] = &[
-    // The submission path, tickets, poisoning and groups in one file.
-    "crates/metrale-comm/src/nccl_backend/submit.rs",
-];
-
 /// The source trees whose files with several locks must state their lock
 /// order.
 const LOCK_ORDER_DIRS: &[&str] = &["crates/metrale-comm/src", "crates/nccl-safe/src"];
@@ -256,24 +246,16 @@ fn workspace_files(root: &Path) -> Vec<PathBuf> {
     files
 }
 
-/// The line limit's verdict on the file `rel` of `lines` lines, given the
-/// files being split: the problem, if any.
-fn check_length(rel: &str, lines: usize, being_split: &[&str]) -> Option<String> {
-    let listed = being_split.contains(&rel);
-    if lines > MAX_LINES && !listed {
-        Some(format!(
+/// The line limit's verdict on the file `rel` of `lines` lines: the
+/// problem, if any.
+fn check_length(rel: &str, lines: usize) -> Option<String> {
+    (lines > MAX_LINES).then(|| {
+        format!(
             "{rel}:{}: {lines} lines, over the {MAX_LINES}-line limit; split the file by \
              responsibility (a module directory with one file per part), not by line count",
             MAX_LINES + 1
-        ))
-    } else if lines <= MAX_LINES && listed {
-        Some(format!(
-            "{rel}: {lines} lines, within the {MAX_LINES}-line limit, but listed in \
-             BEING_SPLIT; remove it from the list"
-        ))
-    } else {
-        None
-    }
+        )
+    })
 }
 
 /// The code of `line` with string literals blanked and any `//` comment
@@ -455,7 +437,6 @@ fn no_file_over_the_line_limit() {
         .expect("xtask lives one level below the workspace root")
         .to_path_buf();
     let mut report = Vec::new();
-    let mut seen = Vec::new();
     for file in workspace_files(&root) {
         let text = std::fs::read_to_string(&file)
             .unwrap_or_else(|e| panic!("tidy: cannot read {}: {e}", file.display()));
@@ -464,15 +445,7 @@ fn no_file_over_the_line_limit() {
             .unwrap_or(&file)
             .to_string_lossy()
             .replace('\\', "/");
-        report.extend(check_length(&rel, text.lines().count(), BEING_SPLIT));
-        seen.push(rel);
-    }
-    for listed in BEING_SPLIT {
-        if !seen.iter().any(|s| s == listed) {
-            report.push(format!(
-                "{listed}: listed in BEING_SPLIT but not found; remove it from the list"
-            ));
-        }
+        report.extend(check_length(&rel, text.lines().count()));
     }
     assert!(
         report.is_empty(),
@@ -554,18 +527,14 @@ fn a_struct_or_statics_with_several_locks_need_a_lock_order() {
 }
 
 #[test]
-fn the_line_limit_and_its_list_of_files_being_split() {
-    let split = ["crates/a/src/big.rs"];
-    assert_eq!(check_length("crates/a/src/lib.rs", MAX_LINES, &split), None);
-    let over = check_length("crates/a/src/lib.rs", MAX_LINES + 1, &split).unwrap();
+fn the_line_limit() {
+    assert_eq!(check_length("crates/a/src/lib.rs", MAX_LINES), None);
+    let over = check_length("crates/a/src/lib.rs", MAX_LINES + 1).unwrap();
     assert!(
         over.starts_with("crates/a/src/lib.rs:801: 801 lines"),
         "{over}"
     );
     assert!(over.contains("split the file by responsibility"), "{over}");
-    assert_eq!(check_length("crates/a/src/big.rs", 2000, &split), None);
-    let stale = check_length("crates/a/src/big.rs", MAX_LINES, &split).unwrap();
-    assert!(stale.contains("remove it from the list"), "{stale}");
 }
 
 /// Test inputs spell `unsafe` as `UNSAFE` and `//` as `##` so that this file

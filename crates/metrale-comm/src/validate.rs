@@ -30,6 +30,18 @@ impl Span {
     pub fn bytes(&self) -> usize {
         self.len * self.dtype.size()
     }
+
+    /// The span in consecutive pieces of at most `max` elements (at least
+    /// one each), in order; none for an empty span.
+    pub fn chunks(self, max: usize) -> impl Iterator<Item = Span> {
+        let max = max.max(1);
+        let size = self.dtype.size() as u64;
+        (0..self.len).step_by(max).map(move |off| Span {
+            ptr: self.ptr + off as u64 * size,
+            len: max.min(self.len - off),
+            dtype: self.dtype,
+        })
+    }
 }
 
 impl From<&DeviceView<'_>> for Span {
@@ -354,6 +366,16 @@ mod tests {
             Err(CommError::InvalidArgument { reason, .. }) => reason,
             other => panic!("expected InvalidArgument, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn chunks_cover_the_span_in_order() {
+        let s = span(0x1000, 10, DataType::Float32);
+        let got: Vec<(u64, usize)> = s.chunks(4).map(|c| (c.ptr, c.len)).collect();
+        assert_eq!(got, [(0x1000, 4), (0x1010, 4), (0x1020, 2)]);
+        assert_eq!(s.chunks(10).count(), 1);
+        assert_eq!(s.chunks(0).count(), 10);
+        assert_eq!(span(0x1000, 0, DataType::Float32).chunks(4).count(), 0);
     }
 
     #[test]

@@ -1,9 +1,9 @@
 //! The import graph: no circle of `use` between the modules of one level
 //! of a crate's module tree. Checked for the whole of `crates/gpu-emu/src`
-//! (`gpu_emu_has_no_import_cycle`); [`check`] takes any crate and any
-//! subtree of it (`under`), so another crate's module directory can be
-//! held to it the same way (`check_on_disk("crates/metrale-comm",
-//! &["nccl_backend"])`). `cargo test -p xtask --test imports --
+//! (`gpu_emu_has_no_import_cycle`) and for metrale-comm's `nccl_backend`
+//! (`nccl_backend_has_no_import_cycle`); [`check`] takes any crate and any
+//! subtree of it (`under`), so another module directory can be held to it
+//! the same way. `cargo test -p xtask --test imports --
 //! --nocapture` prints each level's modules in dependency order, those
 //! depended on first (`{a, b}`: neither needs the other).
 //!
@@ -250,6 +250,18 @@ fn gpu_emu_has_no_import_cycle() {
     assert!(
         report.cycles.is_empty(),
         "gpu-emu: {} import cycle(s):\n{}",
+        report.cycles.len(),
+        report.cycles.join("\n")
+    );
+}
+
+#[test]
+fn nccl_backend_has_no_import_cycle() {
+    let report = check_on_disk("crates/metrale-comm", &["nccl_backend"]);
+    println!("{}", report.overview.join("\n"));
+    assert!(
+        report.cycles.is_empty(),
+        "metrale-comm's nccl_backend: {} import cycle(s):\n{}",
         report.cycles.len(),
         report.cycles.join("\n")
     );

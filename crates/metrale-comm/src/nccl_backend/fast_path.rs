@@ -1,136 +1,139 @@
-//! The 2-rank fast path (a grouped send/recv of the whole buffer into the
-//! scratch buffer, then the bf16 add kernel, chunk by chunk), the choice
-//! between the one-shot path (`one_shot`), it and NCCL's all-reduce, and
-//! its scratch buffer.
+//! The 2-rank fast path: a grouped send/recv of the whole buffer into the
+//! scratch buffer, then the bf16 add kernel, chunk by chunk. [`FastPath`]
+//! owns what it needs: the add kernel, the scratch buffer, and the event
+//! and stream that order the scratch buffer's reuse. When it is taken is
+//! `path`'s choice.
 //!
 //! Invariants:
-//! - The choice, in order: the one-shot path (bf16, f16 or f32, on, a size
-//!   inside its policy, outside a group and registered or symmetric
-//!   memory; graph capture allowed), then the fast path, then NCCL's
-//!   all-reduce. Every input of the choice is the same on every rank
-//!   (configuration, world size, the set-up's agreed verdict), so every
-//!   rank takes one path.
-//! - The fast path runs only for bf16 on 2 ranks of one host (`hosts`)
-//!   with an add kernel, for a size inside the policy, outside a group,
-//!   registered or symmetric memory, and graph capture.
 //! - The scratch buffer is allocated once, at its final size (at
 //!   construction or `set_add_kernel`), never under capture, and freed only
 //!   after the teardown drained the work that uses it.
 //! - Its reuse is ordered: every fast path records `scratch_free` after its
-//!   last add, and a fast path on another stream waits for it first.
+//!   last add, and a fast path on another stream waits for it first (NCCL
+//!   orders its own kernels by issue, not the add kernel behind them).
+//! - It lives in the slot, so every use is under the slot lock.
+
+use std::sync::Arc;
+use std::time::Duration;
 
 use cuda_sys::CUstream;
-use nccl_safe::{DataType, DeviceBuffer, ReduceOp};
+use half::bf16;
+use nccl_safe::{Comm, Context, DataType, DeviceBuffer, Event, Module};
 
-use super::{Inner, Slot};
+use crate::backend::AddKernel;
+use crate::config::BackendConfig;
 use crate::kernels;
+use crate::validate::Span;
 
-/// Which algorithm an all-reduce takes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum AllReducePath {
-    /// NCCL's all-reduce.
-    Nccl,
-    /// Grouped send/recv into the scratch buffer, then the bf16 add kernel.
-    FastPath,
-    /// Every rank pushes its input into every peer's buffer and sums them
-    /// all (bf16, f16 and f32; 2 to 8 ranks of one node, peer access
-    /// proven at set-up).
-    OneShot,
+/// The fast path's kernel and scratch buffer.
+pub(super) struct FastPath {
+    /// The add kernel; `None` turns the fast path off.
+    kernel: Option<AddKernel>,
+    scratch: Option<DeviceBuffer<bf16>>,
+    /// Recorded after the last fast-path kernel that reads `scratch`.
+    scratch_free: Event,
+    /// The stream `scratch_free` was last recorded on; `None` before the
+    /// first use.
+    scratch_stream: Option<CUstream>,
 }
 
-impl Inner {
-    /// The all-reduce path for `bytes` of `dtype` at `ptr` (`None`: an
-    /// address outside registered and symmetric memory). Work captured
-    /// into a CUDA graph (`captured`) takes the one-shot path (its own
-    /// lane) or NCCL's all-reduce, never the fast path: the scratch buffer
-    /// is ordered between eager users by an event, which a replayed graph
-    /// cannot wait for.
-    pub(super) fn choose_path(
-        &self,
-        slot: &Slot,
-        ptr: Option<u64>,
-        bytes: usize,
-        dtype: DataType,
-        captured: bool,
-    ) -> AllReducePath {
-        let outside_registered = !ptr.is_some_and(|p| slot.in_registered_memory(p, bytes));
-        if kernels::one_shot_name(dtype).is_some()
-            && slot.one_shot.is_on()
-            && self.config.one_shot.takes(bytes)
-            && !self.in_group(slot)
-            && outside_registered
+// SAFETY: the raw stream in `scratch_stream` is only compared and passed to
+// the driver under the slot lock, which every use of a `FastPath` holds;
+// every other field is Send.
+unsafe impl Send for FastPath {}
+
+impl FastPath {
+    /// The fast path with the bundled add kernel (off, with a log line,
+    /// where it does not load), and no scratch buffer yet.
+    pub(super) fn new(ctx: &Arc<Context>) -> nccl_safe::Result<FastPath> {
+        let kernel = match Module::load_ptx(ctx, kernels::BF16_ADD_PTX)
+            .and_then(|m| m.function(kernels::BF16_ADD_NAME))
         {
-            return AllReducePath::OneShot;
-        }
-        if self.world_size == 2
-            && dtype == DataType::Bfloat16
-            && self.one_host(slot)
-            && !captured
-            && !self.in_group(slot)
-            && slot.kernel.is_some()
-            && self.config.fast_path.takes_fast_path(bytes)
-            && outside_registered
-        {
-            AllReducePath::FastPath
-        } else {
-            AllReducePath::Nccl
-        }
+            Ok(f) => Some(AddKernel::new(f)),
+            Err(e) => {
+                tracing::warn!("bundled bf16 add kernel unavailable, fast path off: {e}");
+                None
+            }
+        };
+        Ok(FastPath {
+            kernel,
+            scratch: None,
+            scratch_free: Event::new(ctx, false)?,
+            scratch_stream: None,
+        })
     }
 
-    /// Allocates the fast path's scratch buffer once, at its final size:
-    /// the configured scratch capacity, capped by the largest payload the
-    /// policy sends down the fast path.
-    pub(super) fn ensure_scratch(&self, slot: &mut Slot) -> nccl_safe::Result<()> {
-        if slot.scratch.is_some() || self.world_size != 2 || slot.kernel.is_none() {
+    /// Whether it has an add kernel.
+    pub(super) fn has_kernel(&self) -> bool {
+        self.kernel.is_some()
+    }
+
+    /// Replaces the add kernel.
+    pub(super) fn set_kernel(&mut self, kernel: AddKernel) {
+        self.kernel = Some(kernel);
+    }
+
+    /// Allocates the scratch buffer once, at its final size: the configured
+    /// scratch capacity, capped by the largest payload the policy sends down
+    /// the fast path; nothing where the path cannot run (`world_size` other
+    /// than 2, no kernel, a policy that never takes it).
+    pub(super) fn ensure_scratch(
+        &mut self,
+        ctx: &Arc<Context>,
+        world_size: usize,
+        config: &BackendConfig,
+    ) -> nccl_safe::Result<()> {
+        if self.scratch.is_some() || world_size != 2 || self.kernel.is_none() {
             return Ok(());
         }
-        let Some(max) = self.config.fast_path.max_fast_bytes() else {
+        let Some(max) = config.fast_path.max_fast_bytes() else {
             return Ok(());
         };
-        let elems = (self.config.scratch_bytes.min(max) / 2).max(1);
-        slot.scratch = Some(DeviceBuffer::alloc(&self.ctx, elems)?);
+        let elems = (config.scratch_bytes.min(max) / 2).max(1);
+        self.scratch = Some(DeviceBuffer::alloc(ctx, elems)?);
         Ok(())
     }
 
-    /// Enqueues the 2-rank fast path on `stream`: for each chunk that fits
-    /// the scratch buffer, a grouped send/recv with the peer, then the add.
-    fn fast_path(
-        &self,
-        slot: &mut Slot,
-        ptr: u64,
-        elems: usize,
+    /// Enqueues the fast path for the bf16 `span` on `stream`, with `peer`
+    /// over `comm`: for each chunk that fits the scratch buffer, a grouped
+    /// send/recv, then the add.
+    pub(super) fn enqueue(
+        &mut self,
+        ctx: &Arc<Context>,
+        comm: &Comm,
+        peer: usize,
+        span: Span,
         stream: CUstream,
     ) -> nccl_safe::Result<()> {
-        self.ensure_scratch(slot)?;
-        let (scratch, chunk_elems) = slot
+        let (scratch, chunk_elems) = self
             .scratch
             .as_ref()
             .map(|s| (s.device_ptr(), s.len()))
             .ok_or_else(|| nccl_safe::Error::invalid("fast path", "no scratch buffer"))?;
-        let kernel = slot
+        let kernel = self
             .kernel
             .as_ref()
             .map(|k| k.raw())
             .ok_or_else(|| nccl_safe::Error::invalid("fast path", "no add kernel"))?;
-        let comm = slot.comm("fast path")?;
-        let peer = 1 - self.rank;
-        if slot.scratch_stream.is_some_and(|last| last != stream) {
+        if span.dtype != DataType::Bfloat16 {
+            return Err(nccl_safe::Error::invalid(
+                "fast path",
+                format!("{} is not bf16", span.dtype),
+            ));
+        }
+        if self.scratch_stream.is_some_and(|last| last != stream) {
             // SAFETY: `stream` is ours or the caller's live stream of this
             // context (a `StreamRef`); the event is ours.
-            unsafe { slot.scratch_free.wait_raw(stream)? };
+            unsafe { self.scratch_free.wait_raw(stream)? };
         }
-        let mut off = 0usize;
-        while off < elems {
-            let len = chunk_elems.min(elems - off);
-            let chunk = ptr + (off * 2) as u64;
+        for chunk in span.chunks(chunk_elems) {
             nccl_safe::group(|| {
                 // SAFETY: `chunk` lies inside the caller's view and `scratch`
-                // holds at least `len` elements; both are device memory of
-                // this context; the stream is live.
+                // holds at least `chunk.len` elements; both are device
+                // memory of this context; the stream is live.
                 unsafe {
-                    comm.send_raw(chunk, len, DataType::Bfloat16, peer, stream)?;
-                    comm.recv_raw(scratch, len, DataType::Bfloat16, peer, stream)
+                    comm.send_raw(chunk.ptr, chunk.len, DataType::Bfloat16, peer, stream)?;
+                    comm.recv_raw(scratch, chunk.len, DataType::Bfloat16, peer, stream)
                 }
             })?;
             // On a non-blocking communicator the group may still be being
@@ -138,38 +141,37 @@ impl Inner {
             comm.wait_ready()?;
             // SAFETY: the kernel has the documented add signature (bundled,
             // or the engine's under `AddKernel::from_raw`'s contract) and
-            // both ranges hold `len` bf16 elements.
-            unsafe { kernels::launch_add(&self.ctx, kernel, chunk, scratch, len as u64, stream)? };
-            off += len;
+            // both ranges hold `chunk.len` bf16 elements.
+            unsafe {
+                kernels::launch_add(ctx, kernel, chunk.ptr, scratch, chunk.len as u64, stream)?
+            };
         }
         // SAFETY: as above.
-        unsafe { slot.scratch_free.record_raw(stream)? };
-        slot.scratch_stream = Some(stream);
+        unsafe { self.scratch_free.record_raw(stream)? };
+        self.scratch_stream = Some(stream);
         Ok(())
     }
 
-    /// Enqueues a sum all-reduce (either path) of `elems` of `dtype` in
-    /// place at `ptr` on `stream`, which is being captured into a graph
-    /// when `captured`.
-    pub(super) fn all_reduce_on(
-        &self,
-        slot: &mut Slot,
-        (ptr, elems, dtype): (u64, usize, DataType),
-        stream: CUstream,
-        captured: bool,
-    ) -> nccl_safe::Result<()> {
-        let bytes = elems * dtype.size();
-        match self.choose_path(slot, Some(ptr), bytes, dtype, captured) {
-            AllReducePath::FastPath => self.fast_path(slot, ptr, elems, stream),
-            AllReducePath::OneShot => {
-                self.one_shot_all_reduce(slot, (ptr, elems, dtype), stream, captured)
-            }
-            AllReducePath::Nccl => {
-                let comm = slot.comm("all_reduce")?;
-                // SAFETY: `ptr` is valid for `elems` of `dtype` (the view's
-                // contract) on this context; the stream is live.
-                unsafe { comm.all_reduce_raw(ptr, ptr, elems, dtype, ReduceOp::Sum, stream) }
-            }
+    /// Waits up to `within` for the last fast path's work (possibly on a
+    /// caller's stream).
+    pub(super) fn drain(&self, within: Duration) -> nccl_safe::Result<()> {
+        if self.scratch_stream.is_some() {
+            self.scratch_free.wait_with_deadline(within)?;
         }
+        Ok(())
+    }
+
+    /// Frees the scratch buffer (its work drained).
+    pub(super) fn free(&mut self) {
+        self.scratch = None;
+    }
+
+    /// Leaks the scratch buffer (its work cannot be proven finished);
+    /// whether there was one.
+    pub(super) fn leak(&mut self) -> bool {
+        let scratch = self.scratch.take();
+        let had = scratch.is_some();
+        std::mem::forget(scratch);
+        had
     }
 }

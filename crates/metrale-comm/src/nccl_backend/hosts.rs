@@ -8,20 +8,12 @@
 //! name and boot id, or `NCCL_HOSTID` when it is set (NCCL's own
 //! override), so the backend and NCCL agree on who is local.
 //!
-//! Invariants: the census runs, or is skipped, alike on every rank (its
-//! condition reads only the configuration and the world size, which every
-//! rank shares); it is one all-reduce of `world_size` words on the
-//! backend's stream, bounded by the init deadline; every rank ends with
-//! the same table, so every rank decides the paths alike.
-
-use std::time::Instant;
-
-use nccl_safe::{DataType, DeviceBuffer, ReduceOp};
-
-use super::{Inner, Slot};
-use crate::backend::Result;
-use crate::config::OneShotPolicy;
-use crate::error::CommError;
+//! This file holds the table ([`Hosts`]) and this machine's identity; the
+//! census that fills the table at every connect is `lifecycle`'s
+//! (`host_census`).
+//!
+//! Invariant: every rank of a communicator holds the same table, so every
+//! rank decides the paths alike.
 
 /// The variable NCCL reads to override the host identity.
 pub const HOST_ID_ENV: &str = "NCCL_HOSTID";
@@ -56,6 +48,11 @@ pub(super) fn host_id() -> u64 {
 pub(super) struct Hosts(Vec<u64>);
 
 impl Hosts {
+    /// The hosts of ranks `0..`, by their ids.
+    pub(super) fn new(ids: Vec<u64>) -> Hosts {
+        Hosts(ids)
+    }
+
     /// Whether every rank is on one host.
     pub(super) fn one_host(&self) -> bool {
         self.0.windows(2).all(|w| w[0] == w[1])
@@ -90,84 +87,6 @@ impl Hosts {
         };
         let parts: Vec<String> = groups.iter().map(|(_, v)| ranks(v)).collect();
         format!("{} hosts (ranks {})", groups.len(), parts.join("; "))
-    }
-}
-
-impl Inner {
-    /// Whether this communicator needs to know its ranks' hosts: a path
-    /// that needs one host could be taken.
-    fn needs_hosts(&self) -> bool {
-        let one_shot = self.config.one_shot != OneShotPolicy::Never && self.world_size >= 2;
-        let fast = self.world_size == 2 && self.config.fast_path.max_fast_bytes().is_some();
-        one_shot || fast
-    }
-
-    /// Learns every rank's host over the slot's (new) communicator, or
-    /// forgets them where no path needs them.
-    pub(super) fn host_census(&self, slot: &mut Slot) -> Result<()> {
-        slot.hosts = None;
-        if !self.needs_hosts() {
-            return Ok(());
-        }
-        let deadline = Instant::now() + self.config.init_timeout;
-        let mut mine = vec![0u8; 8 * self.world_size];
-        mine[8 * self.rank..][..8].copy_from_slice(&host_id().to_le_bytes());
-        let all = self.exchange_bytes(slot, &mine, deadline).map_err(|e| {
-            self.abort_now("host census");
-            CommError::setup("host census", e)
-        })?;
-        let ids = all
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
-            .collect();
-        let hosts = Hosts(ids);
-        if !hosts.one_host() {
-            tracing::info!(
-                rank = self.rank,
-                world_size = self.world_size,
-                "the ranks span {}: the one-shot and fast paths (peer memory) are off \
-                 for this communicator; a group split per host has them",
-                hosts.describe()
-            );
-        }
-        slot.hosts = Some(hosts);
-        Ok(())
-    }
-
-    /// Whether every rank is known to be on this rank's host.
-    pub(super) fn one_host(&self, slot: &Slot) -> bool {
-        slot.hosts.as_ref().is_some_and(Hosts::one_host)
-    }
-
-    /// Every rank's `mine` (zero outside the rank's own part) summed
-    /// byte-wise: each rank's part, gathered, over one all-reduce of bytes
-    /// on the backend's stream (all-reduces are connected at init, so this
-    /// makes no connection inside a blocking call), bounded by `deadline`.
-    pub(super) fn exchange_bytes(
-        &self,
-        slot: &mut Slot,
-        mine: &[u8],
-        deadline: Instant,
-    ) -> nccl_safe::Result<Vec<u8>> {
-        let buf = DeviceBuffer::<u8>::from_host(&self.ctx, mine)?;
-        let comm = slot.comm("set-up exchange")?;
-        let stream = slot.stream.raw();
-        // SAFETY: the buffer holds `mine.len()` bytes of this context; our
-        // own stream.
-        unsafe {
-            comm.all_reduce_raw(
-                buf.device_ptr(),
-                buf.device_ptr(),
-                mine.len(),
-                DataType::Uint8,
-                ReduceOp::Sum,
-                stream,
-            )?
-        };
-        slot.stream
-            .wait_until_idle(deadline.saturating_duration_since(Instant::now()))?;
-        comm.async_error()?;
-        buf.to_host_vec()
     }
 }
 

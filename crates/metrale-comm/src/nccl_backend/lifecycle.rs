@@ -1,7 +1,13 @@
-//! A backend's life: connecting a communicator, splitting one, reconnecting,
+//! A backend's life: starting it (its watchdog), connecting a
+//! communicator and learning its ranks' hosts, splitting one, reconnecting,
 //! and shutdown in a safe order whatever state the backend is in.
 //!
 //! Invariants:
+//! - The host census runs, or is skipped, alike on every rank (its
+//!   condition reads only the configuration and the world size, which
+//!   every rank shares); it is one all-reduce of `world_size` words on the
+//!   backend's stream, bounded by the init deadline; every rank ends with
+//!   the same table (`hosts`).
 //! - A reconnect aborts before it takes the slot (a thread inside NCCL
 //!   holding it is released by the abort, and the one-shot abort word ends
 //!   any one-shot kernel), keeps the streams, events, scratch and kernel
@@ -22,11 +28,14 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use nccl_safe::{Comm, Event, UniqueId};
+use nccl_safe::{Comm, DataType, DeviceBuffer, Event, ReduceOp, UniqueId};
+use parking_lot::Mutex;
 
-use super::{Inner, NcclBackend, Slot};
+use super::hosts::{Hosts, host_id};
+use super::watch::Pool;
+use super::{Inner, NcclBackend, Slot, watchdog};
 use crate::backend::Result;
-use crate::config::EnqueueMode;
+use crate::config::{EnqueueMode, OneShotPolicy};
 use crate::error::{CommError, FailureKind};
 use crate::health::Health;
 
@@ -86,10 +95,8 @@ impl Inner {
     fn drain(&self, slot: &Slot, deadline: Instant) -> nccl_safe::Result<()> {
         let left = || deadline.saturating_duration_since(Instant::now());
         slot.stream.wait_until_idle(left())?;
-        if slot.scratch_stream.is_some() {
-            slot.scratch_free.wait_with_deadline(left())?;
-        }
-        let events: Vec<Arc<Event>> = self.watched.lock().events();
+        slot.fast.drain(left())?;
+        let events: Vec<Arc<Event>> = self.watch.events();
         for ev in events {
             ev.wait_with_deadline(left())?;
         }
@@ -99,7 +106,7 @@ impl Inner {
     /// Aborts the communicator (and every one-shot kernel) now, without the
     /// slot lock.
     pub(super) fn abort_now(&self, why: &str) {
-        self.one_shot_abort();
+        self.one_shot_flags.abort();
         if let Some(handle) = self.abort.lock().as_ref()
             && let Err(e) = handle.abort()
         {
@@ -108,7 +115,103 @@ impl Inner {
     }
 }
 
+impl Inner {
+    /// Whether this communicator needs to know its ranks' hosts: a path
+    /// that needs one host could be taken.
+    fn needs_hosts(&self) -> bool {
+        let one_shot = self.config.one_shot != OneShotPolicy::Never && self.world_size >= 2;
+        let fast = self.world_size == 2 && self.config.fast_path.max_fast_bytes().is_some();
+        one_shot || fast
+    }
+
+    /// Learns every rank's host over the slot's (new) communicator, or
+    /// forgets them where no path needs them.
+    pub(super) fn host_census(&self, slot: &mut Slot) -> Result<()> {
+        slot.hosts = None;
+        if !self.needs_hosts() {
+            return Ok(());
+        }
+        let deadline = Instant::now() + self.config.init_timeout;
+        let mut mine = vec![0u8; 8 * self.world_size];
+        mine[8 * self.rank..][..8].copy_from_slice(&host_id().to_le_bytes());
+        let all = self.exchange_bytes(slot, &mine, deadline).map_err(|e| {
+            self.abort_now("host census");
+            CommError::setup("host census", e)
+        })?;
+        let ids = all
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect();
+        let hosts = Hosts::new(ids);
+        if !hosts.one_host() {
+            tracing::info!(
+                rank = self.rank,
+                world_size = self.world_size,
+                "the ranks span {}: the one-shot and fast paths (peer memory) are off \
+                 for this communicator; a group split per host has them",
+                hosts.describe()
+            );
+        }
+        slot.hosts = Some(hosts);
+        Ok(())
+    }
+
+    /// Every rank's `mine` (zero outside the rank's own part) summed
+    /// byte-wise: each rank's part, gathered, over one all-reduce of bytes
+    /// on the backend's stream (all-reduces are connected at init, so this
+    /// makes no connection inside a blocking call), bounded by `deadline`.
+    pub(super) fn exchange_bytes(
+        &self,
+        slot: &mut Slot,
+        mine: &[u8],
+        deadline: Instant,
+    ) -> nccl_safe::Result<Vec<u8>> {
+        let buf = DeviceBuffer::<u8>::from_host(&self.ctx, mine)?;
+        let comm = slot.comm("set-up exchange")?;
+        let stream = slot.stream.raw();
+        // SAFETY: the buffer holds `mine.len()` bytes of this context; our
+        // own stream.
+        unsafe {
+            comm.all_reduce_raw(
+                buf.device_ptr(),
+                buf.device_ptr(),
+                mine.len(),
+                DataType::Uint8,
+                ReduceOp::Sum,
+                stream,
+            )?
+        };
+        slot.stream
+            .wait_until_idle(deadline.saturating_duration_since(Instant::now()))?;
+        comm.async_error()?;
+        buf.to_host_vec()
+    }
+}
+
 impl NcclBackend {
+    /// Starts the watchdog of a connected backend.
+    pub(super) fn start(inner: Arc<Inner>) -> Result<NcclBackend> {
+        let weak = Arc::downgrade(&inner);
+        let rank = inner.rank;
+        let thread = std::thread::Builder::new()
+            .name(format!("metrale-watchdog-r{rank}"))
+            .spawn(move || watchdog::watchdog_loop(weak))
+            .map_err(|e| CommError::Thread {
+                what: "watchdog",
+                source: Arc::new(e),
+            })?;
+        tracing::info!(
+            rank,
+            world_size = inner.world_size,
+            device = inner.config.device,
+            "NCCL backend ready"
+        );
+        Ok(NcclBackend {
+            inner,
+            watchdog: Mutex::new(Some(thread)),
+        })
+    }
+
     /// See [`crate::CommBackend::split`]. The sub-communicator has the
     /// one-shot path as its parent has (its group meets in the parent's
     /// store, [`crate::rendezvous::Rendezvous::group`]); it does not
@@ -133,7 +236,9 @@ impl NcclBackend {
             inner.splits.fetch_add(1, Ordering::Relaxed) + 1,
             color.unwrap_or(-1)
         );
-        let child = inner.in_nccl(seq, inner.since_born_us(), || comm.split(color, key));
+        let child = inner
+            .calls
+            .inside(seq, inner.calls.now_us(), || comm.split(color, key));
         drop(slot);
         let child = match child {
             Ok(Some(child)) => child,
@@ -163,8 +268,8 @@ impl NcclBackend {
         )?;
         {
             let mut slot = child_inner.slot.lock();
-            child_inner
-                .ensure_scratch(&mut slot)
+            slot.fast
+                .ensure_scratch(&child_inner.ctx, world, &child_inner.config)
                 .map_err(|e| CommError::setup("fast-path scratch buffer", e))?;
             child_inner.install(&mut slot, child, 0);
             child_inner.host_census(&mut slot)?;
@@ -199,7 +304,7 @@ impl NcclBackend {
         let _end = EndReconnect(&inner.health);
         // Abort first, without the slot lock: a thread inside NCCL holding the
         // lock is released by the abort, a one-shot kernel by its abort word.
-        inner.one_shot_abort();
+        inner.one_shot_flags.abort();
         if let Some(handle) = inner.abort.lock().take()
             && let Err(e) = handle.abort()
         {
@@ -222,11 +327,7 @@ impl NcclBackend {
         if slot.group.take().is_some() {
             inner.group_closed.notify_all();
         }
-        {
-            let mut watched = inner.watched.lock();
-            watched.clear();
-            watched.clear_pool();
-        }
+        inner.watch.clear(Pool::Drop);
         if let Err(e) = inner.connect(&mut slot, next) {
             drop(slot);
             // No communicator is left: make every later call say why.
@@ -320,7 +421,7 @@ impl NcclBackend {
                     }
                 }
                 slot.symmetric.clear();
-                slot.scratch = None;
+                slot.fast.free();
                 if timed_out {
                     Err(CommError::Refused {
                         op: "shutdown",
@@ -338,18 +439,17 @@ impl NcclBackend {
                 // freed under a kernel that may still use it (a free would
                 // also wait for that kernel).
                 let symmetric = std::mem::take(&mut slot.symmetric);
-                let scratch = slot.scratch.take();
+                let scratch = slot.fast.leak();
                 tracing::error!(
                     rank = inner.rank,
                     symmetric = symmetric.len(),
-                    scratch = scratch.is_some(),
+                    scratch,
                     "shutdown: work did not drain after the abort ({e}); \
                      leaking the backend's device memory"
                 );
                 for (_, buf) in symmetric {
                     std::mem::forget(buf);
                 }
-                std::mem::forget(scratch);
                 inner.one_shot_leak(&mut slot);
                 Err(CommError::Refused {
                     op: "shutdown",
@@ -364,7 +464,7 @@ impl NcclBackend {
         }
         inner.abort.lock().take();
         drop(slot);
-        inner.watched.lock().clear();
+        inner.watch.clear(Pool::Keep);
         self.join_watchdog();
         result
     }

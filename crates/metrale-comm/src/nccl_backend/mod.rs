@@ -1,33 +1,48 @@
 //! `NcclBackend`: the [`CommBackend`] over one NCCL communicator per rank.
 //!
-//! Layout, one concern a file: this file (the types, construction and
-//! accessors), `submit` (the path every operation takes: health check,
-//! flight recorder, the enqueue under the slot lock, the completion ticket
-//! and its confirmation, per-thread groups), `watchdog` (the thread that
-//! watches completions and deadlines), `fast_path` (the choice of
-//! all-reduce path, the 2-rank send/recv + add path and its scratch
-//! buffer), `one_shot` (the one-shot all-reduce over peer memory, its
-//! set-up, proof and release), `lifecycle` (connect, split, reconnect,
-//! shutdown and the teardown order), `ops` (the trait's operations).
+//! Layout, one concern a file, each part a type that owns its fields. The
+//! import graph has no circle (`cargo test -p xtask --test imports`); from
+//! the bottom:
+//! - the parts `Inner` and `Slot` hold, which name neither: `watch`
+//!   (`Watch`: the watched submissions and the event pool), `calls`
+//!   (`Calls`: the submission clock and the NCCL call a blocking
+//!   communicator is inside), `fast_path` (`FastPath`: the 2-rank send/recv
+//!   and add path, its kernel and scratch buffer), `one_shot` (`OneShot` and
+//!   its `Flags`: the one-shot all-reduce's state and enqueue), `hosts`
+//!   (which host each rank is on), `census` (the process's backends),
+//!   `submission` (a `Submission`, its `Target` and `Ticket`, a group's
+//!   pending submissions);
+//! - this file: `NcclBackend`, `Inner`, `Slot`, construction and accessors;
+//! - what acts on them: `failure` (refusing work, poisoning), `group` (the
+//!   calling thread's group, and the slot lock around another thread's),
+//!   `path` (the choice of all-reduce path and its enqueue),
+//!   `one_shot_setup` (the one-shot path's set-up and release), `ops` (the
+//!   trait's operations), `watchdog` (the thread that watches completions
+//!   and deadlines), `submit` (the path every operation takes: health
+//!   check, flight recorder, the enqueue under the slot lock, the watch,
+//!   the completion ticket and its confirmation), `lifecycle` (start,
+//!   connect and the host census, split, reconnect, shutdown and the
+//!   teardown order).
 //!
 //! Invariants (NCCL's threading rules made into rules):
-//! - The communicator and everything used with it (streams, events, scratch,
-//!   kernel, registrations, the open group) live in one `Slot` behind one
-//!   lock, and every NCCL call is made while holding it: a reconnect on
-//!   another thread cannot destroy the communicator under a call.
+//! - The communicator and everything used with it (streams, events, the
+//!   fast path's scratch and kernel, the one-shot path's buffers,
+//!   registrations, the open group) live in one `Slot` behind one lock, and
+//!   every NCCL call is made while holding it: a reconnect on another
+//!   thread cannot destroy the communicator under a call.
 //! - The only operations on the communicator without that lock are abort
 //!   and the asynchronous-error query, through nccl-safe's `AbortHandle`,
 //!   which NCCL allows from another thread and which never touches a
 //!   destroyed communicator.
-//! - Lock order: `slot`, then `watched` (which also holds the event pool);
-//!   `abort`, `one_shot_flags` and `idle_pending` are leaves (held for a
-//!   copy, a load, a swap, or the abort or event query they guard, never
-//!   across another of the backend's locks), and so is
+//! - Lock order: `slot`, then the watch lock (`Watch`, which also holds the
+//!   event pool); `abort`, the one-shot `Flags` and `idle_pending` are
+//!   leaves (held for a copy, a load, a swap, or the abort or event query
+//!   they guard, never across another of the backend's locks), and so is
 //!   `NcclBackend::watchdog` (held to join the watchdog thread, which never
-//!   takes it). The watchdog never takes `slot`, and holds `watched` only
-//!   to copy or pop a queue's front, never across a driver call (a
+//!   takes it). The watchdog never takes `slot`, and holds the watch lock
+//!   only to copy or pop a queue's front, never across a driver call (a
 //!   submitter holds it across one `cuEventRecord`); the call a blocking
-//!   communicator is inside is published in two atomics. The locks of the
+//!   communicator is inside is published in two atomics (`Calls`). The locks of the
 //!   parts come after these: `health`'s and the flight recorder's are
 //!   leaves (the recorder's is taken under `slot` to record); the census
 //!   lock is taken with no lock of the backend held (`census`); a
@@ -39,7 +54,7 @@
 //!   completion event goes to the watchdog, which poisons and aborts on a
 //!   deadline miss or an asynchronous NCCL error.
 //! - A completion counts only if its communicator neither failed nor was
-//!   aborted (`submit::Ticket`).
+//!   aborted (`submission::Ticket`, confirmed by `submit`).
 //! - A group belongs to the thread that opened it; other threads' calls
 //!   wait for it to end (bounded).
 //! - With `EnqueueMode::Blocking` (the default) each NCCL call is itself
@@ -51,13 +66,20 @@
 //!   one, and it returns as soon as the backend fails, reconnects or shuts
 //!   down.
 
+mod calls;
 mod census;
+mod failure;
 mod fast_path;
+mod group;
 mod hosts;
 mod lifecycle;
 mod one_shot;
+mod one_shot_setup;
 mod ops;
+mod path;
+mod submission;
 mod submit;
+mod watch;
 mod watchdog;
 
 use std::collections::HashMap;
@@ -65,42 +87,34 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::thread::JoinHandle;
 
-use half::bf16;
 use nccl_safe::{
-    AbortHandle, Comm, Context, DeviceBuffer, Event, Module, Stream, SymmetricBuffer, UniqueId,
+    AbortHandle, Comm, Context, DeviceBuffer, Event, Stream, SymmetricBuffer, UniqueId,
 };
 use parking_lot::{Condvar, Mutex};
 
-use crate::backend::{AddKernel, Result};
+use crate::backend::Result;
 use crate::config::BackendConfig;
 use crate::diagnostics::FlightRecorder;
 use crate::error::{CommError, Failure};
 use crate::health::Health;
-use crate::kernels;
 use crate::rendezvous::{FixedIdRendezvous, Launch, Rendezvous, TcpRendezvous};
 
-pub use fast_path::AllReducePath;
+use calls::Calls;
+use fast_path::FastPath;
 pub use hosts::HOST_ID_ENV;
-use submit::{GroupState, WatchQueues};
+pub use path::AllReducePath;
+use submission::GroupState;
+use watch::Watch;
 
 /// The communicator and what is used with it; guarded by `Inner::slot`.
 struct Slot {
     comm: Option<Comm>,
     /// The backend's own stream, where its collectives run.
     stream: Stream,
-    scratch: Option<DeviceBuffer<bf16>>,
-    /// Recorded after the last fast-path kernel that reads `scratch`; a
-    /// fast path on another stream waits for it before its receive
-    /// overwrites `scratch` (NCCL orders its own kernels by issue, not the
-    /// add kernel behind them).
-    scratch_free: Event,
-    /// The stream `scratch_free` was last recorded on; `None` before the
-    /// first use.
-    scratch_stream: Option<cuda_sys::CUstream>,
     /// One f32 for the barrier.
     barrier_elem: DeviceBuffer<f32>,
-    /// The fast path's add kernel; `None` turns the fast path off.
-    kernel: Option<AddKernel>,
+    /// The 2-rank fast path's kernel and scratch buffer.
+    fast: FastPath,
     /// Registration handle -> (address, bytes).
     registered: HashMap<u64, (u64, usize)>,
     /// Symmetric allocations by address.
@@ -113,9 +127,9 @@ struct Slot {
     hosts: Option<hosts::Hosts>,
 }
 
-// SAFETY: the raw streams in `scratch_stream` and the one-shot state are
-// only compared and passed to the driver under the slot lock; every other
-// field is Send.
+// SAFETY: the raw streams the one-shot state keeps are only compared and
+// passed to the driver under the slot lock; every other field is Send
+// (`FastPath` states its own reason).
 unsafe impl Send for Slot {}
 
 struct Inner {
@@ -145,23 +159,16 @@ struct Inner {
     recorder: Arc<FlightRecorder>,
     /// This backend's place in the process's census of backends.
     census: census::Registration,
-    watched: Mutex<WatchQueues>,
+    /// The watched submissions and the event pool.
+    watch: Watch,
     generation: AtomicU64,
-    /// The sequence number of the submission now inside an NCCL call on a
-    /// blocking communicator (0: none), for the watchdog: such a call has no
-    /// deadline of its own. `in_call_since_us` is when it started, in
-    /// microseconds after `born`.
-    in_call_seq: AtomicU64,
-    in_call_since_us: AtomicU64,
-    /// When the backend was made: the origin of `in_call_since_us`.
-    born: std::time::Instant,
-    /// `born` as microseconds since the Unix epoch: submissions stamp the
-    /// flight recorder from the one monotonic clock read they make.
-    born_unix_us: u64,
+    /// The submission clock, and the NCCL call a blocking communicator is
+    /// inside (for the watchdog: such a call has no deadline of its own).
+    calls: Calls,
     /// The one-shot path's host-pinned abort and status words while it is
     /// on: kept outside `slot` so that the watchdog reads the status and
     /// `poison` sets the abort without it.
-    one_shot_flags: Mutex<Option<Arc<nccl_safe::HostWords>>>,
+    one_shot_flags: one_shot::Flags,
     /// The completion event of a `recv_command_u32` enqueued and not yet
     /// seen complete: shutdown aborts such a receive at once, since only
     /// the root's next command could complete it.
@@ -207,8 +214,8 @@ impl NcclBackend {
         let inner = Inner::new(config, (rank, world_size), Some(rendezvous), store, None)?;
         {
             let mut slot = inner.slot.lock();
-            inner
-                .ensure_scratch(&mut slot)
+            slot.fast
+                .ensure_scratch(&inner.ctx, world_size, &inner.config)
                 .map_err(setup("fast-path scratch buffer"))?;
             inner.connect(&mut slot, 0)?;
         }
@@ -249,29 +256,6 @@ impl NcclBackend {
     ) -> Result<NcclBackend> {
         let rv = FixedIdRendezvous::new(rank, world_size, *id.as_bytes())?;
         NcclBackend::new(config, Box::new(rv))
-    }
-
-    /// Starts the watchdog of a connected backend.
-    fn start(inner: Arc<Inner>) -> Result<NcclBackend> {
-        let weak = Arc::downgrade(&inner);
-        let rank = inner.rank;
-        let watchdog = std::thread::Builder::new()
-            .name(format!("metrale-watchdog-r{rank}"))
-            .spawn(move || watchdog::watchdog_loop(weak))
-            .map_err(|e| CommError::Thread {
-                what: "watchdog",
-                source: Arc::new(e),
-            })?;
-        tracing::info!(
-            rank,
-            world_size = inner.world_size,
-            device = inner.config.device,
-            "NCCL backend ready"
-        );
-        Ok(NcclBackend {
-            inner,
-            watchdog: Mutex::new(Some(watchdog)),
-        })
     }
 
     /// The CUDA context of this backend's device.
@@ -316,24 +300,6 @@ impl NcclBackend {
     /// The configuration the backend runs with.
     pub fn config(&self) -> &BackendConfig {
         &self.inner.config
-    }
-
-    /// Which path an eager bf16 `all_reduce` takes now for `bytes` in
-    /// ordinary device memory: [`NcclBackend::all_reduce_path_of`] for
-    /// bf16.
-    pub fn all_reduce_path(&self, bytes: usize) -> AllReducePath {
-        self.all_reduce_path_of(nccl_safe::DataType::Bfloat16, bytes)
-    }
-
-    /// Which path an eager `all_reduce` of `dtype` takes now for `bytes` in
-    /// ordinary device memory. Buffers in registered or symmetric memory
-    /// always take NCCL's all-reduce, and so do types other than bf16, f16
-    /// and f32 (the one-shot path's) and, on the fast path, other than
-    /// bf16; work captured into a CUDA graph takes the one-shot path or
-    /// NCCL's.
-    pub fn all_reduce_path_of(&self, dtype: nccl_safe::DataType, bytes: usize) -> AllReducePath {
-        let slot = self.inner.slot.lock();
-        self.inner.choose_path(&slot, None, bytes, dtype, false)
     }
 
     /// Why the one-shot all-reduce is off on this backend (policy, world
@@ -384,6 +350,8 @@ impl Inner {
         let slot = Slot::new(&ctx)?;
         let recorder = Arc::new(FlightRecorder::new(config.flight_recorder_capacity));
         let census = census::Registration::new(config.device, rank, world_size, &recorder);
+        let watch = Watch::new(&ctx);
+        let calls = Calls::new(config.enqueue);
         Ok(Arc::new(Inner {
             rank,
             world_size,
@@ -398,13 +366,10 @@ impl Inner {
             group_closed: Condvar::new(),
             abort: Mutex::new(None),
             health: Health::new(),
-            watched: Mutex::new(WatchQueues::default()),
+            watch,
             generation: AtomicU64::new(0),
-            in_call_seq: AtomicU64::new(0),
-            in_call_since_us: AtomicU64::new(0),
-            born: std::time::Instant::now(),
-            born_unix_us: crate::diagnostics::now_unix_us(),
-            one_shot_flags: Mutex::new(None),
+            calls,
+            one_shot_flags: one_shot::Flags::default(),
             idle_pending: Mutex::new(None),
         }))
     }
@@ -412,24 +377,12 @@ impl Inner {
 
 impl Slot {
     fn new(ctx: &Arc<Context>) -> Result<Slot> {
-        let kernel = match Module::load_ptx(ctx, kernels::BF16_ADD_PTX)
-            .and_then(|m| m.function(kernels::BF16_ADD_NAME))
-        {
-            Ok(f) => Some(AddKernel::new(f)),
-            Err(e) => {
-                tracing::warn!("bundled bf16 add kernel unavailable, fast path off: {e}");
-                None
-            }
-        };
         Ok(Slot {
             comm: None,
             stream: Stream::new(ctx).map_err(setup("stream"))?,
-            scratch: None,
-            scratch_free: Event::new(ctx, false).map_err(setup("event"))?,
-            scratch_stream: None,
             barrier_elem: DeviceBuffer::from_host(ctx, &[1.0f32])
                 .map_err(setup("barrier buffer"))?,
-            kernel,
+            fast: FastPath::new(ctx).map_err(setup("event"))?,
             registered: HashMap::new(),
             symmetric: HashMap::new(),
             group: None,

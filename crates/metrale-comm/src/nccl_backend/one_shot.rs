@@ -5,23 +5,10 @@
 //! [`crate::kernels::one_shot_sum`] the arithmetic). One kernel launch per
 //! call (per chunk of the slot size), no barrier, no NCCL call.
 //!
-//! Set-up, at construction and at every reconnect, over the new
-//! communicator (all ranks take the same steps, so the collectives match):
-//! 1. allocate this rank's receive buffer (2 lanes x 2 halves x `world`
-//!    slots, filled with the sentinel), its 136-byte control block and 2
-//!    host-pinned words (abort, status), and export the buffer's IPC handle;
-//! 2. exchange a record (handle, address, process, host, slot size) with an
-//!    all-reduce of bytes (all-reduces are connected at init, so this makes
-//!    no connection inside a blocking call);
-//! 3. map every peer's buffer: `cuIpcOpenMemHandle`, or where the driver
-//!    refuses a handle of this very process, the peer's address with
-//!    `cuCtxEnablePeerAccess`; exchange how that went;
-//! 4. prove it: run the kernels on both halves of both lanes with a known
-//!    pattern, every type's kernel at least once, and check every element
-//!    on the host (a real write to and read from every peer), then exchange
-//!    the verdicts. The path is on only if every rank succeeded; otherwise
-//!    it is off on every rank, and each rank logs which rank failed and
-//!    why.
+//! This file holds the path's state, [`OneShot`] (in the slot: the
+//! kernels, this generation's buffers and the events that order the lanes)
+//! and [`Flags`] (outside it), and its enqueue; `one_shot_setup` sets it
+//! up over each new communicator and releases it.
 //!
 //! Invariants:
 //! - Ordering of the buffers, reused across operations (decision 0017):
@@ -52,59 +39,47 @@
 //!   shutdown and reconnect set. A status set by the kernel poisons the
 //!   backend when the watchdog or a waiter next looks (before it counts
 //!   any completion).
-//! - Release order (at reconnect and shutdown, poisoned or not): set the
-//!   abort word, wait (bounded) for this rank's own one-shot work, close
-//!   this rank's mappings of the peers' buffers, then a host barrier
-//!   through the rendezvous' store (every peer has closed its mapping of
-//!   this rank's buffer), and only then free. The barrier is host-only: a
-//!   kernel waiting for a peer could block that peer's teardown of another
-//!   communicator, which waits for this GPU. Without the barrier (a peer
-//!   that does not come by the deadline) the receive buffer is leaked with
-//!   a log line rather than freed under a peer's mapping; the control block
-//!   and pinned words too if this rank's own work did not drain. A backend
-//!   without a store (a fixed unique id) takes part in the set-up with a
-//!   failed record, so the path is off on every rank; a split
-//!   sub-communicator meets its group in its parent's store
-//!   ([`crate::rendezvous::Rendezvous::group`]). A release owes the
-//!   barrier only where every rank's first record was good: otherwise no
-//!   rank mapped a peer's buffer, and the buffers are freed at once.
 //! - Graphs that captured a one-shot must not be replayed after a
 //!   reconnect or shutdown (their control block is gone), as with NCCL's
 //!   captured collectives on a destroyed communicator.
 
+//!
+//! Lock order: [`Flags`] has one lock, a leaf; [`OneShot`] lives in the
+//! slot and is used under the slot lock.
+
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cuda_sys::CUstream;
 use nccl_safe::{Context, DataType, DeviceBuffer, Event, Function, HostWords, IpcMapping, Module};
+use parking_lot::Mutex;
 
-use super::{Inner, Slot};
+use super::submission::{Capture, Target};
 use crate::config::OneShotPolicy;
 use crate::error::FailureKind;
 use crate::kernels;
-
-mod setup;
+use crate::validate::Span;
 
 use crate::kernels::OneShotStatus;
-use crate::kernels::abi::one_shot::{LANE_EAGER, LANE_GRAPH};
+pub(super) use crate::kernels::abi::one_shot::{LANE_EAGER, LANE_GRAPH};
 /// The largest slot (bytes one rank sends one peer per launch).
 const MAX_SLOT_BYTES: usize = 1 << 20;
 /// The smallest slot: room for the set-up probe's calls, which span two
 /// blocks of every type's kernel.
-const MIN_SLOT_BYTES: usize = 16 << 10;
+pub(super) const MIN_SLOT_BYTES: usize = 16 << 10;
 /// The sentinel filling every free slot word.
-const SENTINEL: u32 = kernels::ONE_SHOT_SENTINEL;
+pub(super) const SENTINEL: u32 = kernels::ONE_SHOT_SENTINEL;
 /// How much longer than the collective timeout a kernel spins: the
 /// watchdog's deadline on eager work comes first (and names the
 /// operation); the kernel's own bound ends work no watchdog sees (graph
 /// replays).
-const KERNEL_GRACE: Duration = Duration::from_millis(500);
+pub(super) const KERNEL_GRACE: Duration = Duration::from_millis(500);
 /// The most ranks the kernel serves.
-const MAX_RANKS: usize = kernels::abi::one_shot::MAX_RANKS;
+pub(super) const MAX_RANKS: usize = kernels::abi::one_shot::MAX_RANKS;
 
 /// How a peer's buffer is reached; dropping it closes the mapping.
-enum PeerMem {
+pub(super) enum PeerMem {
     Own,
     /// An IPC mapping, closed on drop.
     Ipc {
@@ -117,20 +92,26 @@ enum PeerMem {
     },
 }
 
-/// The set-up resources of one generation. Only `one_shot_release` frees
-/// them, in order; dropped any other way (a shutdown that could not take
-/// the slot) the memory is leaked, never freed under a kernel or a peer.
-struct Live {
-    recv: ManuallyDrop<DeviceBuffer<u32>>,
-    ctrl: ManuallyDrop<DeviceBuffer<u64>>,
-    flags: ManuallyDrop<Arc<HostWords>>,
-    peers: Vec<PeerMem>,
-    slot_bytes: usize,
+/// The set-up resources of one generation: a record that
+/// `one_shot_setup` fills and frees. Only its release frees them, in
+/// order; dropped any other way (a shutdown that could not take the slot)
+/// the memory is leaked, never freed under a kernel or a peer.
+pub(super) struct Live {
+    /// This rank's receive buffer (peers map it).
+    pub(super) recv: ManuallyDrop<DeviceBuffer<u32>>,
+    /// The kernels' control block.
+    pub(super) ctrl: ManuallyDrop<DeviceBuffer<u64>>,
+    /// The host-pinned abort and status words.
+    pub(super) flags: ManuallyDrop<Arc<HostWords>>,
+    /// How each rank's buffer is reached, by rank.
+    pub(super) peers: Vec<PeerMem>,
+    /// Bytes one rank sends one peer per launch.
+    pub(super) slot_bytes: usize,
 }
 
 /// The kernel of every type the path serves ([`kernels::ONE_SHOT_ENTRIES`]),
 /// of one module.
-struct Kernels(Vec<(DataType, Function)>);
+pub(super) struct Kernels(Vec<(DataType, Function)>);
 
 impl Kernels {
     fn load(ctx: &Arc<Context>) -> nccl_safe::Result<Kernels> {
@@ -145,7 +126,7 @@ impl Kernels {
     }
 
     /// The kernel for `dtype`, `None` for a type the path does not serve.
-    fn of(&self, dtype: DataType) -> Option<&Function> {
+    pub(super) fn of(&self, dtype: DataType) -> Option<&Function> {
         self.0.iter().find(|(t, _)| *t == dtype).map(|(_, f)| f)
     }
 }
@@ -196,7 +177,7 @@ impl OneShot {
 
     /// The kernels, loaded on first use (backends whose policy or world
     /// size rules the path out never JIT-compile them).
-    fn load_kernels(&mut self, ctx: &Arc<Context>) -> nccl_safe::Result<()> {
+    pub(super) fn load_kernels(&mut self, ctx: &Arc<Context>) -> nccl_safe::Result<()> {
         if self.kernels.is_none() {
             self.kernels = Some(Kernels::load(ctx)?);
         }
@@ -212,24 +193,168 @@ impl OneShot {
     pub(super) fn why_off(&self) -> Option<&str> {
         (!self.on).then_some(self.off.as_str())
     }
+
+    /// The loaded kernel for `dtype`, if any.
+    pub(super) fn kernel(&self, dtype: DataType) -> Option<&Function> {
+        self.kernels.as_ref().and_then(|k| k.of(dtype))
+    }
+
+    /// Starts a set-up: the path is off and no stream's work is ordered
+    /// any more (a new communicator's calls start afresh).
+    pub(super) fn begin_setup(&mut self) {
+        self.on = false;
+        self.eager_stream = None;
+        self.last_capture = None;
+    }
+
+    /// Keeps this generation's set-up resources.
+    pub(super) fn set_live(&mut self, live: Live) {
+        self.live = Some(live);
+    }
+
+    /// This generation's set-up resources, if any.
+    pub(super) fn live(&self) -> Option<&Live> {
+        self.live.as_ref()
+    }
+
+    /// The same, to fill in.
+    pub(super) fn live_mut(&mut self) -> Option<&mut Live> {
+        self.live.as_mut()
+    }
+
+    /// Notes that every rank's first record of `generation` was good: peers
+    /// may map this rank's buffer, so its release owes them a barrier.
+    pub(super) fn set_exchanged(&mut self, generation: u64) {
+        self.exchanged = Some(generation);
+    }
+
+    /// Turns the path on (every rank proved it); the words to publish.
+    pub(super) fn turn_on(&mut self) -> Option<Arc<HostWords>> {
+        self.on = true;
+        self.off.clear();
+        self.live.as_ref().map(|l| Arc::clone(&l.flags))
+    }
+
+    /// Keeps the path off, saying why.
+    pub(super) fn turn_off(&mut self, why: String) {
+        self.on = false;
+        self.off = why;
+    }
+
+    /// Turns the path off for a release: the generation whose release owes
+    /// the peers a barrier, if any, and the resources to release.
+    pub(super) fn take_for_release(&mut self) -> (Option<u64>, Option<Live>) {
+        self.on = false;
+        (self.exchanged.take(), self.live.take())
+    }
+
+    /// Waits up to `within` for this rank's last eager one-shot; whether
+    /// it finished (or there was none).
+    pub(super) fn drain_eager(&mut self, within: Duration) -> bool {
+        self.eager_stream.take().is_none() || self.eager_done.wait_with_deadline(within).is_ok()
+    }
+
+    /// Enqueues a one-shot all-reduce of `span` at `target` (lane 1 when
+    /// captured), in chunks of the slot size.
+    pub(super) fn enqueue(
+        &mut self,
+        ctx: &Arc<Context>,
+        span: Span,
+        target: Target,
+    ) -> nccl_safe::Result<()> {
+        let (dtype, stream) = (span.dtype, target.stream);
+        let kernel = self.kernel(dtype).cloned();
+        let (Some(live), Some(kernel), true) = (self.live.as_ref(), kernel, self.on) else {
+            return Err(nccl_safe::Error::invalid(
+                "one-shot all-reduce",
+                format!("the path is off for {dtype}"),
+            ));
+        };
+        let (ctrl, chunk) = (live.ctrl.device_ptr(), live.slot_bytes / dtype.size());
+        let captured = target.capture == Capture::Graph;
+        let lane = if captured { LANE_GRAPH } else { LANE_EAGER };
+        if captured {
+            // SAFETY: `stream` is the caller's live stream of this context
+            // (a `StreamRef`), capturing.
+            let id = unsafe { nccl_safe::Stream::capture_id_raw(ctx, stream)? };
+            match self.last_capture {
+                // A later one-shot of the same graph: ordered after the
+                // earlier ones by the graph itself (stream order, or an
+                // edge from the earlier one's stream). An external wait
+                // here would wait for this very graph's own records.
+                Some((last, s)) if Some(last) == id => {
+                    if s != stream {
+                        // SAFETY: both streams are capturing into this
+                        // graph; the event is ours.
+                        unsafe { self.graph_fork.wait_raw(stream)? };
+                    }
+                }
+                // A graph's first one-shot: it waits, at each launch, for
+                // the one-shots of every graph launched before it.
+                // SAFETY: as above; the event is ours and outlives every
+                // graph that may replay this (a graph must not be replayed
+                // after the backend's release, as its control block).
+                _ => unsafe { self.graph_serial.wait_external_raw(stream)? },
+            }
+            self.last_capture = id.map(|id| (id, stream));
+        } else if self.eager_stream.is_some_and(|s| s != stream) {
+            // SAFETY: `stream` is ours or the caller's live stream of this
+            // context (a `StreamRef`); the event is ours.
+            unsafe { self.eager_done.wait_raw(stream)? };
+        }
+        for piece in span.chunks(chunk) {
+            // SAFETY: `kernel` is `dtype`'s; the piece lies inside the
+            // caller's view of `dtype` values on this context; `ctrl` is
+            // this rank's set-up control block, which lives until the
+            // release waited for this work.
+            unsafe {
+                kernels::launch_one_shot(
+                    &kernel,
+                    ctrl,
+                    piece.ptr,
+                    (piece.len, dtype),
+                    lane,
+                    stream,
+                )?
+            };
+        }
+        if captured {
+            // SAFETY: as above.
+            unsafe {
+                self.graph_serial.record_external_raw(stream)?;
+                self.graph_fork.record_raw(stream)?;
+            }
+        } else {
+            // SAFETY: as above.
+            unsafe { self.eager_done.record_raw(stream)? };
+            self.eager_stream = Some(stream);
+        }
+        Ok(())
+    }
 }
 
 /// The slot size for a policy: its largest payload, in whole 16-byte
 /// units, within [`MIN_SLOT_BYTES`]..=[`MAX_SLOT_BYTES`].
-fn slot_bytes_for(policy: OneShotPolicy) -> usize {
+pub(super) fn slot_bytes_for(policy: OneShotPolicy) -> usize {
     let max = policy.max_bytes().unwrap_or(0);
     max.min(MAX_SLOT_BYTES)
         .next_multiple_of(16)
         .clamp(MIN_SLOT_BYTES, MAX_SLOT_BYTES)
 }
 
-impl Inner {
+/// The one-shot path's host-pinned abort and status words while it is on:
+/// kept outside the slot, so that the watchdog reads the status and
+/// poisoning sets the abort without the slot lock. Its one lock is a leaf.
+#[derive(Default)]
+pub(super) struct Flags(Mutex<Option<Arc<HostWords>>>);
+
+impl Flags {
     /// The kernel's status, as a failure to poison with: `None` when the
     /// path is off, all is well, or the kernel only saw the abort that a
     /// failure, shutdown or reconnect set.
-    pub(super) fn one_shot_failure(&self) -> Option<FailureKind> {
+    pub(super) fn failure(&self) -> Option<FailureKind> {
         let code = self
-            .one_shot_flags
+            .0
             .lock()
             .as_ref()
             .map(|f| f.load(kernels::abi::one_shot::FLAG_STATUS))?;
@@ -246,171 +371,20 @@ impl Inner {
 
     /// Sets the abort word: every one-shot kernel of this rank stops
     /// waiting and exits (its output is not a sum).
-    pub(super) fn one_shot_abort(&self) {
-        if let Some(f) = self.one_shot_flags.lock().as_ref() {
+    pub(super) fn abort(&self) {
+        if let Some(f) = self.0.lock().as_ref() {
             f.store(kernels::abi::one_shot::FLAG_ABORT, 1);
         }
     }
 
-    /// Enqueues a one-shot all-reduce of `elems` values of `dtype` at `ptr`
-    /// on `stream` (lane 1 when `captured`), in chunks of the slot size.
-    pub(super) fn one_shot_all_reduce(
-        &self,
-        slot: &mut Slot,
-        (ptr, elems, dtype): (u64, usize, DataType),
-        stream: CUstream,
-        captured: bool,
-    ) -> nccl_safe::Result<()> {
-        let os = &mut slot.one_shot;
-        let kernel = os.kernels.as_ref().and_then(|k| k.of(dtype)).cloned();
-        let (Some(live), Some(kernel), true) = (os.live.as_ref(), kernel, os.on) else {
-            return Err(nccl_safe::Error::invalid(
-                "one-shot all-reduce",
-                format!("the path is off for {dtype}"),
-            ));
-        };
-        let size = dtype.size();
-        let (ctrl, chunk) = (live.ctrl.device_ptr(), live.slot_bytes / size);
-        let lane = if captured { LANE_GRAPH } else { LANE_EAGER };
-        if captured {
-            // SAFETY: `stream` is the caller's live stream of this context
-            // (a `StreamRef`), capturing.
-            let id = unsafe { nccl_safe::Stream::capture_id_raw(&self.ctx, stream)? };
-            match os.last_capture {
-                // A later one-shot of the same graph: ordered after the
-                // earlier ones by the graph itself (stream order, or an
-                // edge from the earlier one's stream). An external wait
-                // here would wait for this very graph's own records.
-                Some((last, s)) if Some(last) == id => {
-                    if s != stream {
-                        // SAFETY: both streams are capturing into this
-                        // graph; the event is ours.
-                        unsafe { os.graph_fork.wait_raw(stream)? };
-                    }
-                }
-                // A graph's first one-shot: it waits, at each launch, for
-                // the one-shots of every graph launched before it.
-                // SAFETY: as above; the event is ours and outlives every
-                // graph that may replay this (a graph must not be replayed
-                // after the backend's release, as its control block).
-                _ => unsafe { os.graph_serial.wait_external_raw(stream)? },
-            }
-            os.last_capture = id.map(|id| (id, stream));
-        } else if os.eager_stream.is_some_and(|s| s != stream) {
-            // SAFETY: `stream` is ours or the caller's live stream of this
-            // context (a `StreamRef`); the event is ours.
-            unsafe { os.eager_done.wait_raw(stream)? };
-        }
-        let mut off = 0usize;
-        while off < elems {
-            let len = chunk.min(elems - off);
-            let at = ptr + (off * size) as u64;
-            // SAFETY: `kernel` is `dtype`'s; the range lies inside the
-            // caller's view of `dtype` values on this context; `ctrl` is
-            // this rank's set-up control block, which lives until the
-            // release waited for this work.
-            unsafe { kernels::launch_one_shot(&kernel, ctrl, at, (len, dtype), lane, stream)? };
-            off += len;
-        }
-        if captured {
-            // SAFETY: as above.
-            unsafe {
-                os.graph_serial.record_external_raw(stream)?;
-                os.graph_fork.record_raw(stream)?;
-            }
-        } else {
-            // SAFETY: as above.
-            unsafe { os.eager_done.record_raw(stream)? };
-            os.eager_stream = Some(stream);
-        }
-        Ok(())
+    /// Publishes the words of a path just turned on.
+    pub(super) fn set(&self, words: Arc<HostWords>) {
+        *self.0.lock() = Some(words);
     }
 
-    /// Releases this generation's one-shot buffers in the order the module
-    /// docs give, bounded by `deadline`; what cannot be freed in that order
-    /// is leaked with a log line (never freed under a peer's mapping or this
-    /// rank's own work).
-    pub(super) fn one_shot_release(&self, slot: &mut Slot, deadline: Instant) {
-        slot.one_shot.on = false;
-        let owed = slot.one_shot.exchanged.take();
-        let mut live = slot.one_shot.live.take();
-        self.one_shot_flags.lock().take();
-        if let Some(l) = &live {
-            l.flags.store(kernels::abi::one_shot::FLAG_ABORT, 1);
-        }
-        let left = || deadline.saturating_duration_since(Instant::now());
-        let drained = slot.one_shot.eager_stream.take().is_none()
-            || slot.one_shot.eager_done.wait_with_deadline(left()).is_ok();
-        if let Some(l) = live.as_mut() {
-            drop(std::mem::take(&mut l.peers));
-        }
-        // Every rank that took part in the exchange meets here, its own
-        // mappings closed: a host barrier through the rendezvous' store, so
-        // no kernel waits for a peer that may be tearing down another
-        // communicator (whose teardown waits for this GPU).
-        let unmapped = match (owed, self.store.as_ref()) {
-            (None, _) => true,
-            (Some(generation), Some(rv)) => {
-                match rv.barrier(&format!("one-shot release {generation}"), left()) {
-                    Ok(()) => true,
-                    Err(e) => {
-                        tracing::warn!(
-                            rank = self.rank,
-                            "one-shot release: the peers did not all release: {e}"
-                        );
-                        false
-                    }
-                }
-            }
-            (Some(_), None) => false,
-        };
-        let Some(mut live) = live else { return };
-        let bytes = live.recv.bytes();
-        if !drained {
-            tracing::error!(
-                rank = self.rank,
-                bytes,
-                "one-shot release: this rank's own one-shot work did not drain; \
-                 leaking its buffers"
-            );
-            return;
-        }
-        // SAFETY: this rank's own work on the control block and the pinned
-        // words drained; each is dropped once, here.
-        unsafe {
-            ManuallyDrop::drop(&mut live.ctrl);
-            ManuallyDrop::drop(&mut live.flags);
-        }
-        if unmapped {
-            // SAFETY: every peer closed its mapping (the barrier) and this
-            // rank's own work on the buffer drained; it is dropped once.
-            unsafe { ManuallyDrop::drop(&mut live.recv) };
-        } else {
-            tracing::warn!(
-                rank = self.rank,
-                bytes,
-                "one-shot release: peers may still map this rank's buffer; leaking it \
-                 rather than freeing it under them"
-            );
-        }
-    }
-
-    /// Leaks this generation's one-shot buffers (shutdown, when the work
-    /// that uses them cannot be proven finished).
-    pub(super) fn one_shot_leak(&self, slot: &mut Slot) {
-        slot.one_shot.on = false;
-        self.one_shot_abort();
-        self.one_shot_flags.lock().take();
-        if let Some(live) = slot.one_shot.live.take() {
-            // Dropping `Live` frees nothing (every allocation in it is
-            // `ManuallyDrop`); the mappings of the peers' buffers stay too.
-            tracing::error!(
-                rank = self.rank,
-                bytes = live.recv.bytes(),
-                "leaking the one-shot buffers"
-            );
-            std::mem::forget(live);
-        }
+    /// Forgets the words (the path is off).
+    pub(super) fn clear(&self) {
+        self.0.lock().take();
     }
 }
 
@@ -432,9 +406,5 @@ mod tests {
             max_bytes: 100_001,
         };
         assert_eq!(slot_bytes_for(odd), 100_016);
-        // Every probe call fits the smallest slot.
-        for (dtype, _) in kernels::ONE_SHOT_ENTRIES {
-            assert!(setup::probe_elems(dtype) * dtype.size() <= MIN_SLOT_BYTES);
-        }
     }
 }

@@ -9,28 +9,25 @@
 
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
 
 use cuda_sys::CUstream;
 use nccl_safe::{Comm, DataType, DeviceView, DeviceViewMut, ReduceOp, StreamRef, SymmetricBuffer};
 
 use super::NcclBackend;
-use super::submit::{GroupState, OpInfo, StreamSel, Ticket, nccl_group_call};
+use super::submission::{Submission, Ticket, Wait};
 use crate::backend::{AddKernel, CommBackend, Registration, Result, SymmetricAlloc};
-use crate::error::{CommError, FailureKind};
+use crate::error::CommError;
 use crate::validate::{self, Ranks, Span, check_alloc, check_register};
 
 impl NcclBackend {
     /// A collective on the backend's own stream that waits for nothing.
     fn collective(
         &self,
-        info: OpInfo,
+        sub: Submission,
         enqueue: impl FnOnce(&Comm, CUstream) -> nccl_safe::Result<()>,
     ) -> Result<()> {
         self.inner
-            .submit(info, StreamSel::Own, false, |_, slot, s, _| {
-                enqueue(slot.comm(info.op)?, s)
-            })?;
+            .submit(sub, |_, slot, at| enqueue(slot.comm(sub.op)?, at.stream))?;
         Ok(())
     }
 
@@ -51,36 +48,33 @@ impl NcclBackend {
         if s.len == 0 {
             return inner.check_usable(op);
         }
-        let info = OpInfo {
-            op,
-            dtype: s.dtype,
-            bytes: s.bytes(),
-            peer: Some(root),
+        let wait = if idle { Wait::Idle } else { Wait::Ticket };
+        let sub = Submission::of(op, &s).with_peer(root).awaited(wait);
+        let ticket = inner.submit(sub, |_, slot, at| {
+            let comm = slot
+                .comm
+                .as_mut()
+                .ok_or(nccl_safe::Error::Aborted { call: op })?;
+            // An idle receive waits for the root with no deadline, also
+            // while NCCL connects to it; shutdown or a failure aborts the
+            // communicator, which ends the wait.
+            let saved = comm.enqueue_deadline();
+            if idle {
+                comm.set_enqueue_deadline(None);
+            }
+            // SAFETY: the view is valid for `len` elements of its type (its
+            // contract); our stream.
+            let r = unsafe { comm.broadcast_raw(s.ptr, s.ptr, s.len, s.dtype, root, at.stream) };
+            comm.set_enqueue_deadline(saved);
+            r
+        })?;
+        let Some(ticket) = ticket else {
+            return Ok(());
         };
-        let (_, ticket) =
-            inner.submit_waited(info, StreamSel::Own, idle, |_, slot, stream, _| {
-                let comm = slot
-                    .comm
-                    .as_mut()
-                    .ok_or(nccl_safe::Error::Aborted { call: op })?;
-                // An idle receive waits for the root with no deadline, also
-                // while NCCL connects to it; shutdown or a failure aborts the
-                // communicator, which ends the wait.
-                let saved = comm.enqueue_deadline();
-                if idle {
-                    comm.set_enqueue_deadline(None);
-                }
-                // SAFETY: the view is valid for `len` elements of its type (its
-                // contract); our stream.
-                let r = unsafe { comm.broadcast_raw(s.ptr, s.ptr, s.len, s.dtype, root, stream) };
-                comm.set_enqueue_deadline(saved);
-                r
-            })?;
-        let Some(ticket) = ticket else { return Ok(()) };
         if idle {
             *inner.idle_pending.lock() = Some(ticket.event.clone());
         }
-        let r = inner.wait(op, &ticket, idle);
+        let r = inner.wait(op, &ticket);
         if idle && r.is_ok() {
             inner.idle_pending.lock().take();
         }
@@ -107,29 +101,19 @@ impl NcclBackend {
         if s.len == 0 {
             return inner.check_usable(op);
         }
-        let info = OpInfo {
-            op,
-            dtype: s.dtype,
-            bytes: s.bytes(),
-            peer: Some(peer),
-        };
-        inner.submit(
-            info,
-            StreamSel::Caller(stream.as_raw()),
-            false,
-            |_, slot, st, _| {
-                let comm = slot.comm(op)?;
-                // SAFETY: the view is valid for `len` elements (its contract)
-                // and the stream is live (the `StreamRef`'s).
-                unsafe {
-                    if send {
-                        comm.send_raw(s.ptr, s.len, s.dtype, peer, st)
-                    } else {
-                        comm.recv_raw(s.ptr, s.len, s.dtype, peer, st)
-                    }
+        let sub = Submission::of(op, &s).on(stream).with_peer(peer);
+        inner.submit(sub, |_, slot, at| {
+            let comm = slot.comm(op)?;
+            // SAFETY: the view is valid for `len` elements (its contract)
+            // and the stream is live (the `StreamRef`'s).
+            unsafe {
+                if send {
+                    comm.send_raw(s.ptr, s.len, s.dtype, peer, at.stream)
+                } else {
+                    comm.recv_raw(s.ptr, s.len, s.dtype, peer, at.stream)
                 }
-            },
-        )?;
+            }
+        })?;
         Ok(())
     }
 
@@ -142,10 +126,10 @@ impl NcclBackend {
     ) -> Result<()> {
         let inner = &*self.inner;
         let (me, esz) = (inner.rank, send.dtype.size());
-        let info = OpInfo::collective(op, &send);
+        let sub = Submission::of(op, &send);
         let send_counts = send_counts.to_vec();
         let recv_counts = recv_counts.to_vec();
-        self.collective(info, |comm, stream| {
+        self.collective(sub, |comm, stream| {
             nccl_safe::group(|| {
                 let (mut so, mut ro) = (0usize, 0usize);
                 for peer in 0..send_counts.len() {
@@ -200,11 +184,9 @@ impl CommBackend for NcclBackend {
         if s.len == 0 {
             return self.inner.check_usable(OP);
         }
-        let info = OpInfo::collective(OP, &s);
+        let sub = Submission::of(OP, &s);
         self.inner
-            .submit(info, StreamSel::Own, false, |inner, slot, st, _| {
-                inner.all_reduce_on(slot, (s.ptr, s.len, s.dtype), st, false)
-            })?;
+            .submit(sub, |inner, slot, at| inner.all_reduce_on(slot, s, at))?;
         Ok(())
     }
 
@@ -219,19 +201,12 @@ impl CommBackend for NcclBackend {
         if s.len == 0 {
             return self.inner.check_usable(OP);
         }
-        let inner = &*self.inner;
-        let info = OpInfo::collective(OP, &s);
         // On the caller's stream: the reduction starts after the work queued
         // there and later work there starts after it, with no event between
         // streams; under capture it is captured there and not watched.
-        inner.submit(
-            info,
-            StreamSel::Caller(compute_stream.as_raw()),
-            false,
-            |inner, slot, st, captured| {
-                inner.all_reduce_on(slot, (s.ptr, s.len, s.dtype), st, captured)
-            },
-        )?;
+        let sub = Submission::of(OP, &s).on(compute_stream);
+        self.inner
+            .submit(sub, |inner, slot, at| inner.all_reduce_on(slot, s, at))?;
         Ok(())
     }
 
@@ -304,10 +279,11 @@ impl CommBackend for NcclBackend {
         const OP: &str = "set_add_kernel";
         validate::add_kernel(OP, &kernel)?;
         self.inner.check_usable(OP)?;
-        let mut slot = self.inner.lock_slot(OP)?;
-        slot.kernel = Some(kernel);
-        self.inner
-            .ensure_scratch(&mut slot)
+        let inner = &*self.inner;
+        let mut slot = inner.lock_slot(OP)?;
+        slot.fast.set_kernel(kernel);
+        slot.fast
+            .ensure_scratch(&inner.ctx, inner.world_size, &inner.config)
             .map_err(|source| CommError::Refused { op: OP, source })?;
         drop(slot);
         tracing::info!(rank = self.inner.rank, "bf16 add kernel replaced");
@@ -321,8 +297,7 @@ impl CommBackend for NcclBackend {
         if s.len == 0 {
             return self.inner.check_usable(OP);
         }
-        let info = OpInfo::collective(OP, &s);
-        self.collective(info, |comm, st| {
+        self.collective(Submission::of(OP, &s), |comm, st| {
             // SAFETY: the views hold `len` and `len * world_size` elements
             // (checked); our stream.
             unsafe { comm.all_gather_raw(s.ptr, r.ptr, s.len, s.dtype, st) }
@@ -336,8 +311,7 @@ impl CommBackend for NcclBackend {
         if r.len == 0 {
             return self.inner.check_usable(OP);
         }
-        let info = OpInfo::collective(OP, &r);
-        self.collective(info, |comm, st| {
+        self.collective(Submission::of(OP, &r), |comm, st| {
             // SAFETY: sizes checked against the views; our stream.
             unsafe { comm.reduce_scatter_raw(s.ptr, r.ptr, r.len, r.dtype, ReduceOp::Sum, st) }
         })
@@ -361,20 +335,15 @@ impl CommBackend for NcclBackend {
         const OP: &str = "barrier";
         let inner = &*self.inner;
         self.refuse_in_own_group(OP)?;
-        let info = OpInfo {
-            op: OP,
-            dtype: DataType::Float32,
-            bytes: 4,
-            peer: None,
-        };
-        let (_, ticket) = inner.submit_waited(info, StreamSel::Own, false, |_, slot, st, _| {
+        let sub = Submission::sized(OP, DataType::Float32, 4).awaited(Wait::Ticket);
+        let ticket = inner.submit(sub, |_, slot, at| {
             let comm = slot.comm(OP)?;
             let p = slot.barrier_elem.device_ptr();
             // SAFETY: one f32 of our own buffer; our stream.
-            unsafe { comm.all_reduce_raw(p, p, 1, DataType::Float32, ReduceOp::Max, st) }
+            unsafe { comm.all_reduce_raw(p, p, 1, DataType::Float32, ReduceOp::Max, at.stream) }
         })?;
         match ticket {
-            Some(ticket) => inner.wait(OP, &ticket, false),
+            Some(ticket) => inner.wait(OP, &ticket),
             None => Ok(()),
         }
     }
@@ -427,73 +396,11 @@ impl CommBackend for NcclBackend {
     }
 
     fn group_start(&self) -> Result<()> {
-        const OP: &str = "group_start";
-        self.inner.check_usable(OP)?;
-        let mut slot = self.inner.lock_slot(OP)?;
-        nccl_group_call(OP, true)?;
-        match slot.group.as_mut() {
-            Some(g) => g.depth += 1,
-            None => {
-                slot.group = Some(GroupState {
-                    owner: std::thread::current().id(),
-                    depth: 1,
-                    watch: Vec::new(),
-                })
-            }
-        }
-        Ok(())
+        self.inner.group_start()
     }
 
     fn group_end(&self) -> Result<()> {
-        const OP: &str = "group_end";
-        let inner = &*self.inner;
-        let mut slot = inner.slot.lock();
-        let me = std::thread::current().id();
-        let Some(group) = slot.group.as_mut().filter(|g| g.owner == me) else {
-            return Err(CommError::InvalidArgument {
-                op: OP,
-                reason: "group_end without group_start on this thread".into(),
-            });
-        };
-        group.depth -= 1;
-        let outermost = group.depth == 0;
-        let first = group
-            .watch
-            .first()
-            .map(|w| w.seq)
-            .unwrap_or_else(|| inner.recorder.last_seq());
-        // The outermost group end launches the group's work (and on a
-        // blocking communicator may wait there for a peer's connection).
-        let ended = inner.in_nccl(first, inner.since_born_us(), || nccl_group_call(OP, false));
-        if !outermost {
-            return ended;
-        }
-        let group = slot.group.take().expect("checked above");
-        inner.group_closed.notify_all();
-        if let Err(e) = ended {
-            drop(slot);
-            if let CommError::Refused { source, .. } = e {
-                return Err(CommError::Failed(inner.poison(
-                    OP,
-                    first,
-                    FailureKind::CallFailed(source),
-                )));
-            }
-            return Err(e);
-        }
-        // The group's work may still be being enqueued (non-blocking
-        // communicator): events recorded now would complete before it.
-        let ready = match slot.comm.as_ref() {
-            Some(comm) => comm.wait_ready(),
-            None => Err(nccl_safe::Error::Aborted { call: OP }),
-        };
-        if let Err(e) = ready {
-            drop(slot);
-            return Err(inner.fail(OP, first, e));
-        }
-        drop(slot);
-        let deadline = Instant::now() + inner.config.collective_timeout;
-        inner.watch_group(&group.watch, deadline)
+        self.inner.group_end()
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -518,7 +425,7 @@ impl CommBackend for NcclBackend {
             // The work on callers' streams (all_reduce_async, send, receive):
             // the newest watched event of each such stream.
             let mut events = vec![(slot.stream.raw() as usize, event)];
-            events.extend(inner.watched.lock().newest_events());
+            events.extend(inner.watch.newest_events());
             events
                 .into_iter()
                 .map(|(stream, event)| Ticket {
@@ -527,13 +434,14 @@ impl CommBackend for NcclBackend {
                     generation,
                     comm: comm.clone(),
                     stream,
+                    wait: Wait::Ticket,
                 })
                 .collect::<Vec<_>>()
         };
         for ticket in &tickets {
-            inner.wait(OP, ticket, false)?;
+            inner.wait(OP, ticket)?;
         }
-        inner.recycle(tickets.into_iter().map(|t| t.event));
+        inner.watch.recycle(tickets.into_iter().map(|t| t.event));
         Ok(())
     }
 

@@ -21,7 +21,7 @@ use std::time::Instant;
 use nccl_safe::Event;
 
 use super::Inner;
-use super::submit::Watched;
+use super::watch::Watched;
 use crate::error::FailureKind;
 
 pub(super) fn watchdog_loop(inner: Weak<Inner>) {
@@ -49,19 +49,19 @@ impl Inner {
         let mut expired: Option<(&'static str, u64)> = None;
         let mut failed: Option<(&'static str, u64, nccl_safe::Error)> = None;
         let mut done: Vec<(usize, &'static str, u64, Arc<Event>)> = Vec::new();
-        let streams = self.watched.lock().streams();
+        let streams = self.watch.streams();
         for stream in streams {
             // Work on one stream completes in order, so a submission is
             // complete when a later one on its stream is: find the boundary
             // between the complete prefix and the rest with a binary search
             // (one query when everything is done, or when nothing is),
             // asking the driver with no lock held.
-            let n = self.watched.lock().len_of(stream);
-            let Some(first) = self.watched.lock().get(stream, 0) else {
+            let n = self.watch.len_of(stream);
+            let Some(first) = self.watch.get(stream, 0) else {
                 continue;
             };
             let query = |i: usize| -> Option<(Watched, nccl_safe::Result<bool>)> {
-                let w = self.watched.lock().get(stream, i)?;
+                let w = self.watch.get(stream, i)?;
                 let r = if w.generation == generation {
                     w.event.query()
                 } else {
@@ -91,7 +91,7 @@ impl Inner {
                     }
                     // The first incomplete one: its deadline, or its error.
                     let blocker = if stop.as_ref().is_some_and(|(w, _)| {
-                        self.watched.lock().get(stream, lo).map(|x| x.seq) == Some(w.seq)
+                        self.watch.get(stream, lo).map(|x| x.seq) == Some(w.seq)
                     }) {
                         stop
                     } else {
@@ -106,7 +106,7 @@ impl Inner {
                             let with_deadline = if w.deadline.is_some() {
                                 Some(w)
                             } else {
-                                self.watched.lock().first_with_deadline(stream)
+                                self.watch.first_with_deadline(stream)
                             };
                             if let Some(d) = with_deadline
                                 && d.deadline.is_some_and(|at| now >= at)
@@ -121,7 +121,7 @@ impl Inner {
                 }
             };
             if complete > 0 {
-                let taken = self.watched.lock().take_front(stream, first.seq, complete);
+                let taken = self.watch.take_front(stream, first.seq, complete);
                 done.extend(
                     taken
                         .into_iter()
@@ -136,16 +136,9 @@ impl Inner {
         // A call stuck inside NCCL on a blocking communicator counts as
         // timed out too: poisoning aborts the communicator, which makes NCCL
         // return from it.
-        let stuck_seq = self.in_call_seq.load(Ordering::Acquire);
-        if stuck_seq != 0 {
-            let since = self.in_call_since_us.load(Ordering::Acquire);
-            let running = (self.born.elapsed().as_micros() as u64).saturating_sub(since);
-            if running >= self.config.collective_timeout.as_micros() as u64
-                && self.in_call_seq.load(Ordering::Acquire) == stuck_seq
-            {
-                let op = self.recorder.op_of(stuck_seq).unwrap_or("nccl call");
-                expired = Some((op, stuck_seq));
-            }
+        if let Some(stuck_seq) = self.calls.stuck(self.config.collective_timeout) {
+            let op = self.recorder.op_of(stuck_seq).unwrap_or("nccl call");
+            expired = Some((op, stuck_seq));
         }
         if let Some((op, seq)) = expired {
             self.poison(
@@ -168,18 +161,11 @@ impl Inner {
         };
         let failure = async_err
             .map(FailureKind::AsyncError)
-            .or_else(|| self.one_shot_failure());
+            .or_else(|| self.one_shot_flags.failure());
         if let Some(kind) = failure {
             // Named after the oldest submission not confirmed good by a
             // waiter (which told its caller it succeeded).
-            let blamed = {
-                let watched = self.watched.lock();
-                done.iter()
-                    .filter(|(stream, _, seq, _)| !watched.is_good(*stream, *seq))
-                    .map(|(_, op, seq, _)| (*op, *seq))
-                    .chain(watched.oldest_with_deadline(generation))
-                    .min_by_key(|&(_, seq)| seq)
-            };
+            let blamed = self.watch.blame(&done, generation);
             let (op, seq) = blamed.unwrap_or_else(|| {
                 // Nothing watched yet (a submission between its record
                 // and its watch): the last recorded one.
@@ -191,7 +177,7 @@ impl Inner {
         }
         self.recorder
             .set_completed(done.iter().map(|(_, _, seq, _)| *seq));
-        self.recycle(done.into_iter().map(|(_, _, _, ev)| ev));
+        self.watch.recycle(done.into_iter().map(|(_, _, _, ev)| ev));
     }
 }
 
@@ -205,6 +191,6 @@ impl super::NcclBackend {
 
     /// The number of submissions the watchdog watches (benchmarks).
     pub fn watched_for_bench(&self) -> usize {
-        self.inner.watched.lock().len()
+        self.inner.watch.len()
     }
 }

@@ -1,12 +1,53 @@
-//! The one-shot path's set-up (the steps of the parent module's docs):
-//! this rank's buffers and record, the exchanges of records and verdicts
-//! over the communicator, the mapping of every peer's buffer, and the
-//! probe that proves peer access with a real write and read.
+//! The one-shot path's set-up over each new communicator (at
+//! construction, at every reconnect, at a split) and its release: this
+//! rank's buffers and record, the exchanges of records and verdicts over
+//! the communicator, the mapping of every peer's buffer, the probe that
+//! proves peer access with a real write and read, and the release in an
+//! order that never frees memory a peer or a kernel may use. The path's
+//! state and enqueue are in `one_shot`.
 //!
-//! Invariants: every rank takes the same collective steps whatever its
-//! local outcome (a rank that cannot take part sends a failed record), so
-//! the exchanges always match; the verdict of every round is the same on
-//! every rank, so the path is on everywhere or nowhere.
+//! Set-up, over the new communicator (all ranks take the same steps, so the collectives match):
+//! 1. allocate this rank's receive buffer (2 lanes x 2 halves x `world`
+//!    slots, filled with the sentinel), its 136-byte control block and 2
+//!    host-pinned words (abort, status), and export the buffer's IPC handle;
+//! 2. exchange a record (handle, address, process, host, slot size) with an
+//!    all-reduce of bytes (all-reduces are connected at init, so this makes
+//!    no connection inside a blocking call);
+//! 3. map every peer's buffer: `cuIpcOpenMemHandle`, or where the driver
+//!    refuses a handle of this very process, the peer's address with
+//!    `cuCtxEnablePeerAccess`; exchange how that went;
+//! 4. prove it: run the kernels on both halves of both lanes with a known
+//!    pattern, every type's kernel at least once, and check every element
+//!    on the host (a real write to and read from every peer), then exchange
+//!    the verdicts. The path is on only if every rank succeeded; otherwise
+//!    it is off on every rank, and each rank logs which rank failed and
+//!    why.
+//!
+//! Invariants:
+//! - Every rank takes the same collective steps whatever its local outcome
+//!   (a rank that cannot take part sends a failed record), so the
+//!   exchanges always match; the verdict of every round is the same on
+//!   every rank, so the path is on everywhere or nowhere.
+//! - Release order (at reconnect and shutdown, poisoned or not): set the
+//!   abort word, wait (bounded) for this rank's own one-shot work, close
+//!   this rank's mappings of the peers' buffers, then a host barrier
+//!   through the rendezvous' store (every peer has closed its mapping of
+//!   this rank's buffer), and only then free. The barrier is host-only: a
+//!   kernel waiting for a peer could block that peer's teardown of another
+//!   communicator, which waits for this GPU. Without the barrier (a peer
+//!   that does not come by the deadline) the receive buffer is leaked with
+//!   a log line rather than freed under a peer's mapping; the control block
+//!   and pinned words too if this rank's own work did not drain. A backend
+//!   without a store (a fixed unique id) takes part in the set-up with a
+//!   failed record, so the path is off on every rank; a split
+//!   sub-communicator meets its group in its parent's store
+//!   ([`crate::rendezvous::Rendezvous::group`]). A release owes the
+//!   barrier only where every rank's first record was good: otherwise no
+//!   rank mapped a peer's buffer, and the buffers are freed at once.
+//!
+//! Lock order: run under the slot lock; the rendezvous' locks (the release
+//! barrier) and the one-shot `Flags` lock are taken under it, never the
+//! other way round.
 
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
@@ -16,12 +57,14 @@ use std::time::Instant;
 use half::{bf16, f16};
 use nccl_safe::{Context, DataType, DeviceBuffer, HostWords, IpcHandle, IpcMapping};
 
-use super::{LANE_EAGER, LANE_GRAPH, Live, MAX_RANKS, PeerMem, SENTINEL, slot_bytes_for};
+use super::one_shot::{
+    KERNEL_GRACE, LANE_EAGER, LANE_GRAPH, Live, MAX_RANKS, PeerMem, SENTINEL, slot_bytes_for,
+};
+use super::{Inner, Slot};
 use crate::backend::Result;
 use crate::config::OneShotPolicy;
 use crate::error::CommError;
 use crate::kernels::{self, OneShotElement};
-use crate::nccl_backend::{Inner, Slot};
 
 /// Bytes of one rank's record in the set-up exchanges.
 const RECORD_BYTES: usize = 128;
@@ -133,7 +176,7 @@ fn verdicts(records: &[Record]) -> std::result::Result<(), String> {
 
 /// Elements of one probe call of `dtype`: odd, and a little over one
 /// block of the kernel (8 KiB), so that two blocks take part.
-pub(super) fn probe_elems(dtype: DataType) -> usize {
+fn probe_elems(dtype: DataType) -> usize {
     8192 / dtype.size() + 3
 }
 
@@ -168,12 +211,10 @@ impl Inner {
     /// the previous generation's buffers (a reconnect). A rank-local
     /// problem turns the path off on every rank; an exchange that fails or
     /// does not complete by the init deadline fails the set-up.
-    pub(in crate::nccl_backend) fn one_shot_setup(&self, slot: &mut Slot) -> Result<()> {
+    pub(super) fn one_shot_setup(&self, slot: &mut Slot) -> Result<()> {
         let deadline = Instant::now() + self.config.init_timeout;
         self.one_shot_release(slot, deadline);
-        slot.one_shot.on = false;
-        slot.one_shot.eager_stream = None;
-        slot.one_shot.last_capture = None;
+        slot.one_shot.begin_setup();
         let policy = self.config.one_shot;
         let off = if policy == OneShotPolicy::Never {
             Some("the one-shot policy is `never`".to_string())
@@ -192,7 +233,7 @@ impl Inner {
             })
         };
         if let Some(off) = off {
-            slot.one_shot.off = off;
+            slot.one_shot.turn_off(off);
             return Ok(());
         }
         let slot_bytes = slot_bytes_for(policy);
@@ -205,7 +246,7 @@ impl Inner {
         };
         let mut mine = match prepared {
             Ok((live, record)) => {
-                slot.one_shot.live = Some(live);
+                slot.one_shot.set_live(live);
                 record
             }
             Err(why) => Record::failed(why),
@@ -217,7 +258,8 @@ impl Inner {
         // only then does the release owe the peers a barrier. Otherwise no
         // rank maps anything, and this rank's buffers go now.
         if records.iter().all(|r| r.ok) {
-            slot.one_shot.exchanged = Some(self.generation.load(Ordering::Acquire));
+            slot.one_shot
+                .set_exchanged(self.generation.load(Ordering::Acquire));
         } else {
             self.one_shot_release(slot, deadline);
         }
@@ -237,10 +279,10 @@ impl Inner {
         }
         match verdict {
             Ok(()) => {
-                slot.one_shot.on = true;
-                slot.one_shot.off.clear();
-                let flags = slot.one_shot.live.as_ref().map(|l| Arc::clone(&l.flags));
-                *self.one_shot_flags.lock() = flags;
+                match slot.one_shot.turn_on() {
+                    Some(words) => self.one_shot_flags.set(words),
+                    None => self.one_shot_flags.clear(),
+                }
                 tracing::info!(
                     rank = self.rank,
                     world_size = self.world_size,
@@ -254,7 +296,7 @@ impl Inner {
                     world_size = self.world_size,
                     "one-shot all-reduce off: {why}"
                 );
-                slot.one_shot.off = why;
+                slot.one_shot.turn_off(why);
             }
         }
         Ok(())
@@ -300,7 +342,7 @@ impl Inner {
         let record = Record {
             ok: true,
             pid: std::process::id(),
-            host: super::super::hosts::host_id(),
+            host: super::hosts::host_id(),
             device: dev as u32,
             recv: recv.device_ptr(),
             slot_bytes: slot_bytes as u64,
@@ -320,7 +362,7 @@ impl Inner {
     /// Step 3: maps every peer's buffer and writes the control block.
     fn one_shot_map(&self, slot: &mut Slot, records: &[Record]) -> std::result::Result<(), String> {
         let me = &records[self.rank];
-        let live = slot.one_shot.live.as_mut().ok_or("no buffers")?;
+        let live = slot.one_shot.live_mut().ok_or("no buffers")?;
         let mut addrs = [0u64; 8];
         let mut peers = Vec::with_capacity(records.len());
         for (p, r) in records.iter().enumerate() {
@@ -358,7 +400,7 @@ impl Inner {
             }
         }
         live.peers = peers;
-        let bound = self.config.collective_timeout + super::KERNEL_GRACE;
+        let bound = self.config.collective_timeout + KERNEL_GRACE;
         let ctrl = kernels::one_shot_ctrl(
             &addrs[..records.len()],
             live.flags.device_ptr(),
@@ -430,8 +472,7 @@ impl Inner {
             Err(e) => return Ok(Round::Stopped(format!("probe input: {e}"))),
         };
         let os = &slot.one_shot;
-        let kernel = os.kernels.as_ref().and_then(|k| k.of(T::DATA_TYPE));
-        let (Some(live), Some(kernel)) = (os.live.as_ref(), kernel) else {
+        let (Some(live), Some(kernel)) = (os.live(), os.kernel(T::DATA_TYPE)) else {
             return Ok(Round::Stopped("no buffers".into()));
         };
         // SAFETY: `kernel` is `T`'s; the probe buffer holds `n` values of
@@ -502,6 +543,91 @@ impl Inner {
     }
 }
 
+impl Inner {
+    /// Releases this generation's one-shot buffers in the order the module
+    /// docs give, bounded by `deadline`; what cannot be freed in that order
+    /// is leaked with a log line (never freed under a peer's mapping or this
+    /// rank's own work).
+    pub(super) fn one_shot_release(&self, slot: &mut Slot, deadline: Instant) {
+        let (owed, mut live) = slot.one_shot.take_for_release();
+        self.one_shot_flags.clear();
+        if let Some(l) = &live {
+            l.flags.store(kernels::abi::one_shot::FLAG_ABORT, 1);
+        }
+        let left = || deadline.saturating_duration_since(Instant::now());
+        let drained = slot.one_shot.drain_eager(left());
+        if let Some(l) = live.as_mut() {
+            drop(std::mem::take(&mut l.peers));
+        }
+        // Every rank that took part in the exchange meets here, its own
+        // mappings closed: a host barrier through the rendezvous' store, so
+        // no kernel waits for a peer that may be tearing down another
+        // communicator (whose teardown waits for this GPU).
+        let unmapped = match (owed, self.store.as_ref()) {
+            (None, _) => true,
+            (Some(generation), Some(rv)) => {
+                match rv.barrier(&format!("one-shot release {generation}"), left()) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        tracing::warn!(
+                            rank = self.rank,
+                            "one-shot release: the peers did not all release: {e}"
+                        );
+                        false
+                    }
+                }
+            }
+            (Some(_), None) => false,
+        };
+        let Some(mut live) = live else { return };
+        let bytes = live.recv.bytes();
+        if !drained {
+            tracing::error!(
+                rank = self.rank,
+                bytes,
+                "one-shot release: this rank's own one-shot work did not drain; \
+                 leaking its buffers"
+            );
+            return;
+        }
+        // SAFETY: this rank's own work on the control block and the pinned
+        // words drained; each is dropped once, here.
+        unsafe {
+            ManuallyDrop::drop(&mut live.ctrl);
+            ManuallyDrop::drop(&mut live.flags);
+        }
+        if unmapped {
+            // SAFETY: every peer closed its mapping (the barrier) and this
+            // rank's own work on the buffer drained; it is dropped once.
+            unsafe { ManuallyDrop::drop(&mut live.recv) };
+        } else {
+            tracing::warn!(
+                rank = self.rank,
+                bytes,
+                "one-shot release: peers may still map this rank's buffer; leaking it \
+                 rather than freeing it under them"
+            );
+        }
+    }
+
+    /// Leaks this generation's one-shot buffers (shutdown, when the work
+    /// that uses them cannot be proven finished).
+    pub(super) fn one_shot_leak(&self, slot: &mut Slot) {
+        self.one_shot_flags.abort();
+        self.one_shot_flags.clear();
+        if let (_, Some(live)) = slot.one_shot.take_for_release() {
+            // Dropping `Live` frees nothing (every allocation in it is
+            // `ManuallyDrop`); the mappings of the peers' buffers stay too.
+            tracing::error!(
+                rank = self.rank,
+                bytes = live.recv.bytes(),
+                "leaking the one-shot buffers"
+            );
+            std::mem::forget(live);
+        }
+    }
+}
+
 /// A verdict as a record.
 fn verdict_record(v: &std::result::Result<(), String>) -> Record {
     match v {
@@ -516,6 +642,13 @@ fn verdict_record(v: &std::result::Result<(), String>) -> Record {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_probe_call_fits_the_smallest_slot() {
+        for (dtype, _) in kernels::ONE_SHOT_ENTRIES {
+            assert!(probe_elems(dtype) * dtype.size() <= super::super::one_shot::MIN_SLOT_BYTES);
+        }
+    }
 
     #[test]
     fn records_round_trip() {

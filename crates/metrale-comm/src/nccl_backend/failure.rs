@@ -1,0 +1,158 @@
+//! Failure: refusing work on an unusable backend, poisoning it with its
+//! first failure, and the error each caller gets.
+//!
+//! Invariants:
+//! - A refused call (bad arguments, seen by NCCL or the driver before
+//!   anything is enqueued: [`is_refusal`]) never poisons; any other failure
+//!   of an enqueue poisons with that submission's op and sequence number.
+//! - Poisoning keeps the first failure (`Health`), and only the first sets
+//!   the one-shot abort word, aborts the communicator (through the abort
+//!   handle, without the slot lock) and dumps the flight recorder; a
+//!   timeout's failure lists what the process's other backends have in
+//!   flight (`census`).
+//! - Every later call is refused with the first failure: `Failed` for the
+//!   submission that failed, `Poisoned` naming it for every other.
+//!
+//! Lock order: `abort` is taken alone (a leaf); the flight recorder's and
+//! `Health`'s locks are leaves; the census lock is taken with no lock of
+//! the backend held.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use nccl_safe::NcclCode;
+
+use super::Inner;
+use super::submission::Ticket;
+use crate::backend::Result;
+use crate::diagnostics::{DumpHeader, OpState};
+use crate::error::{CommError, Failure, FailureKind};
+
+/// Errors NCCL or the driver return for the call's own arguments, before
+/// anything is enqueued: they do not poison.
+pub(super) fn is_refusal(e: &nccl_safe::Error) -> bool {
+    match e {
+        nccl_safe::Error::InvalidArgument { .. } | nccl_safe::Error::Load(_) => true,
+        nccl_safe::Error::Nccl(n) => {
+            matches!(n.code, NcclCode::InvalidArgument | NcclCode::InvalidUsage)
+        }
+        nccl_safe::Error::Cuda(c) => {
+            c.code == cuda_sys::CUresult::CUDA_ERROR_INVALID_VALUE.0 as i32
+        }
+        _ => false,
+    }
+}
+
+impl Inner {
+    /// Refuses work when shut down, reconnecting or poisoned.
+    #[inline]
+    pub(super) fn check_usable(&self, op: &'static str) -> Result<()> {
+        self.health.check(op, self.rank, self.world_size)
+    }
+
+    /// Poisons the backend with its first failure (later calls return the
+    /// first), aborts the communicator, dumps the flight recorder.
+    pub(super) fn poison(&self, op: &'static str, seq: u64, kind: FailureKind) -> Arc<Failure> {
+        let state = if kind.is_timeout() {
+            OpState::TimedOut
+        } else {
+            OpState::Failed
+        };
+        let elsewhere = if kind.is_timeout() && !self.health.is_poisoned() {
+            self.census.in_flight_elsewhere()
+        } else {
+            Vec::new()
+        };
+        let (failure, first) = self.health.poison(|| Failure {
+            op,
+            seq,
+            rank: self.rank,
+            world_size: self.world_size,
+            generation: self.generation.load(Ordering::Acquire),
+            kind,
+            backend: self.census.id(),
+            elsewhere,
+        });
+        if !first {
+            return failure;
+        }
+        self.recorder.set_state(seq, state);
+        self.one_shot_flags.abort();
+        if let Some(handle) = self.abort.lock().as_ref()
+            && let Err(e) = handle.abort()
+        {
+            tracing::warn!(
+                rank = self.rank,
+                "aborting the poisoned communicator failed: {e}"
+            );
+        }
+        tracing::error!(
+            rank = self.rank,
+            world_size = self.world_size,
+            "communicator poisoned: {failure}\nrecent operations:\n{}",
+            self.recorder.summary(16)
+        );
+        if let Some(dir) = &self.config.dump_dir {
+            let header = DumpHeader {
+                rank: self.rank,
+                world_size: self.world_size,
+                generation: failure.generation,
+                reason: failure.to_string(),
+                first_failed_seq: Some(seq),
+            };
+            match self.recorder.dump_json(dir, &header) {
+                Ok(path) => tracing::error!(
+                    rank = self.rank,
+                    "flight recorder dumped to {}",
+                    path.display()
+                ),
+                Err(e) => tracing::warn!(rank = self.rank, "flight recorder dump failed: {e}"),
+            }
+        }
+        failure
+    }
+
+    /// Poisons for a failed call of `op`/`seq` and returns its error.
+    pub(super) fn fail(&self, op: &'static str, seq: u64, e: nccl_safe::Error) -> CommError {
+        CommError::Failed(self.poison(op, seq, FailureKind::from_call(e)))
+    }
+
+    /// The error for a submission whose communicator was aborted before the
+    /// submission was seen complete: its buffers hold no result.
+    pub(super) fn aborted(&self, op: &'static str, ticket: &Ticket) -> CommError {
+        if self.health.is_poisoned() {
+            return self.own_or_poisoned(op, ticket.seq);
+        }
+        if self.health.is_shutdown() {
+            return CommError::Shutdown { op };
+        }
+        if self.health.is_reconnecting() {
+            return CommError::Reconnecting { op };
+        }
+        CommError::Aborted {
+            op,
+            seq: ticket.seq,
+            generation: ticket.generation,
+        }
+    }
+
+    /// `Failed` when `seq` itself is the first failure, else `Poisoned`.
+    pub(super) fn own_or_poisoned(&self, op: &'static str, seq: u64) -> CommError {
+        match self.health.failure() {
+            Some(f) if f.seq == seq => CommError::Failed(f),
+            Some(cause) => CommError::Poisoned {
+                op,
+                rank: self.rank,
+                world_size: self.world_size,
+                cause,
+            },
+            None => CommError::Reconnecting { op },
+        }
+    }
+
+    /// The oldest watched submission of this generation that has a deadline.
+    pub(super) fn oldest_pending(&self) -> Option<(&'static str, u64)> {
+        let generation = self.generation.load(Ordering::Acquire);
+        self.watch.oldest_with_deadline(generation)
+    }
+}
