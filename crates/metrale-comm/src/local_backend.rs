@@ -4,8 +4,9 @@
 //! Invariants: a reduction over one rank is the identity, so `all_reduce`
 //! and `broadcast` validate their input and do nothing; `all_gather` and
 //! `reduce_scatter` copy on the backend's stream (nothing when in place);
-//! send and receive have no peer and are [`CommError::Unsupported`]. Input is
-//! validated exactly as `NcclBackend` validates it.
+//! send and receive have no peer and are [`CommError::Unsupported`]. The
+//! arguments of every other operation are checked by the same code as
+//! `NcclBackend`'s (`validate`), before the backend's health.
 //!
 //! Lock order: none nested. `group`, `registered` and `allocations` are
 //! leaves, each taken alone for one look-up, insert, removal or clear and

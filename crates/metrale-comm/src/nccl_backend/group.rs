@@ -10,7 +10,8 @@
 //!   completion event per stream recorded after the group's last operation
 //!   there, each submission still named by its own op and sequence number.
 //! - A failed outermost `ncclGroupEnd` poisons, named after the group's
-//!   first submission; a nested end only counts down.
+//!   first submission; a nested end counts down and returns what its
+//!   `ncclGroupEnd` returned.
 //!
 //! Lock order: `slot` (with its condition variable `group_closed`), then
 //! the watch lock (`watch_group`, after the slot is released).

@@ -14,7 +14,7 @@
 //!   (an engine may hold the stream), and drops the old communicator's
 //!   registrations. Every connect sets the one-shot path up again over the
 //!   new communicator, releasing the old generation's peer buffers first
-//!   (`one_shot`: close mappings, barrier, free).
+//!   (`one_shot_setup`: close mappings, barrier, free).
 //! - Shutdown: abort first when nothing enqueued can finish (poisoned, or
 //!   a command receive still waiting for the root); drain (bounded) every
 //!   stream and event the backend's work used; release the one-shot peer

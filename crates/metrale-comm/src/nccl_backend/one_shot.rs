@@ -42,7 +42,6 @@
 //! - Graphs that captured a one-shot must not be replayed after a
 //!   reconnect or shutdown (their control block is gone), as with NCCL's
 //!   captured collectives on a destroyed communicator.
-
 //!
 //! Lock order: [`Flags`] has one lock, a leaf; [`OneShot`] lives in the
 //! slot and is used under the slot lock.

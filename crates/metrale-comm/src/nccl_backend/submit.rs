@@ -17,7 +17,8 @@
 //! - Work captured into a graph is not watched (it runs at launch); work
 //!   inside a group is watched from the group's end (`group`).
 //!
-//! Lock order: the slot lock, released before the watch lock is taken
+//! Lock order: `slot`, then the watch lock (`synchronize` takes an event
+//! under the slot); `submit` releases the slot before it watches
 //! (`Watch::record`); the flight recorder's lock is taken under the slot.
 
 use std::sync::Arc;
