@@ -19,6 +19,13 @@ use crate::backend::{AddKernel, CommBackend, Registration, Result, SymmetricAllo
 use crate::error::CommError;
 use crate::validate::{self, Ranks, Span, check_alloc, check_register};
 
+/// Which way a point-to-point operation goes.
+#[derive(Clone, Copy)]
+enum Direction {
+    Send,
+    Recv,
+}
+
 impl NcclBackend {
     /// A collective on the backend's own stream that waits for nothing.
     fn collective(
@@ -40,15 +47,15 @@ impl NcclBackend {
     }
 
     /// A broadcast from `root` of the checked view `s`, waited for on the
-    /// host: with the collective deadline, or idle (no deadline) for
-    /// `recv_command_u32`.
-    fn broadcast_wait(&self, op: &'static str, s: Span, root: usize, idle: bool) -> Result<()> {
+    /// host as `wait` says: with the collective deadline (`Wait::Ticket`),
+    /// or idle, with none, for `recv_command_u32` (`Wait::Idle`).
+    fn broadcast_wait(&self, op: &'static str, s: Span, root: usize, wait: Wait) -> Result<()> {
         let inner = &*self.inner;
+        let idle = wait == Wait::Idle;
         self.refuse_in_own_group(op)?;
         if s.len == 0 {
             return inner.check_usable(op);
         }
-        let wait = if idle { Wait::Idle } else { Wait::Ticket };
         let sub = Submission::of(op, &s).with_peer(root).awaited(wait);
         let ticket = inner.submit(sub, |_, slot, at| {
             let comm = slot
@@ -93,10 +100,13 @@ impl NcclBackend {
         s: Span,
         peer: usize,
         stream: StreamRef<'_>,
-        send: bool,
+        dir: Direction,
     ) -> Result<()> {
         let inner = &*self.inner;
-        let verb = if send { "send to" } else { "receive from" };
+        let verb = match dir {
+            Direction::Send => "send to",
+            Direction::Recv => "receive from",
+        };
         validate::point_to_point(op, s, peer, self.ranks(), verb)?;
         if s.len == 0 {
             return inner.check_usable(op);
@@ -107,10 +117,9 @@ impl NcclBackend {
             // SAFETY: the view is valid for `len` elements (its contract)
             // and the stream is live (the `StreamRef`'s).
             unsafe {
-                if send {
-                    comm.send_raw(s.ptr, s.len, s.dtype, peer, at.stream)
-                } else {
-                    comm.recv_raw(s.ptr, s.len, s.dtype, peer, at.stream)
+                match dir {
+                    Direction::Send => comm.send_raw(s.ptr, s.len, s.dtype, peer, at.stream),
+                    Direction::Recv => comm.recv_raw(s.ptr, s.len, s.dtype, peer, at.stream),
                 }
             }
         })?;
@@ -321,14 +330,14 @@ impl CommBackend for NcclBackend {
         const OP: &str = "broadcast";
         let s = Span::from(&buf);
         validate::broadcast(OP, s, root, self.inner.world_size)?;
-        self.broadcast_wait(OP, s, root, false)
+        self.broadcast_wait(OP, s, root, Wait::Ticket)
     }
 
     fn recv_command_u32(&self, buf: DeviceViewMut<'_>, root: usize) -> Result<()> {
         const OP: &str = "recv_command_u32";
         let s = Span::from(&buf);
         validate::command(OP, s, root, self.ranks())?;
-        self.broadcast_wait(OP, s, root, true)
+        self.broadcast_wait(OP, s, root, Wait::Idle)
     }
 
     fn barrier(&self) -> Result<()> {
@@ -349,7 +358,13 @@ impl CommBackend for NcclBackend {
     }
 
     fn send_to(&self, buf: DeviceView<'_>, dest_rank: usize, stream: StreamRef<'_>) -> Result<()> {
-        self.p2p("send_to", Span::from(&buf), dest_rank, stream, true)
+        self.p2p(
+            "send_to",
+            Span::from(&buf),
+            dest_rank,
+            stream,
+            Direction::Send,
+        )
     }
 
     fn recv_from(
@@ -358,7 +373,13 @@ impl CommBackend for NcclBackend {
         src_rank: usize,
         stream: StreamRef<'_>,
     ) -> Result<()> {
-        self.p2p("recv_from", Span::from(&buf), src_rank, stream, false)
+        self.p2p(
+            "recv_from",
+            Span::from(&buf),
+            src_rank,
+            stream,
+            Direction::Recv,
+        )
     }
 
     fn all_to_all(&self, send: DeviceView<'_>, recv: DeviceViewMut<'_>) -> Result<()> {
