@@ -80,14 +80,7 @@ pub(crate) fn all_reduce(op: &'static str, buf: Span) -> Result<()> {
 /// `all_gather`: valid views of one type, the receive buffer `world` times
 /// the send buffer.
 pub(crate) fn all_gather(op: &'static str, send: Span, recv: Span, world: usize) -> Result<()> {
-    check_view(op, "send buffer", send)?;
-    check_view(op, "receive buffer", recv)?;
-    check_pair(
-        op,
-        ("the send buffer", send),
-        ("the receive buffer", recv),
-        world,
-    )
+    check_send_recv(op, send, recv, world)
 }
 
 /// `reduce_scatter`: valid views of one reducible type, the send buffer
@@ -143,14 +136,7 @@ pub(crate) fn point_to_point(
 /// `all_to_all`: valid views of one type and length, in `world` equal
 /// blocks.
 pub(crate) fn all_to_all(op: &'static str, send: Span, recv: Span, world: usize) -> Result<()> {
-    check_view(op, "send buffer", send)?;
-    check_view(op, "receive buffer", recv)?;
-    check_pair(
-        op,
-        ("the send buffer", send),
-        ("the receive buffer", recv),
-        1,
-    )?;
+    check_send_recv(op, send, recv, 1)?;
     if !send.len.is_multiple_of(world) {
         return Err(invalid(
             op,
@@ -216,6 +202,19 @@ pub(crate) fn split(
         .transpose()?;
     let key = i32::try_from(key).map_err(|_| invalid(op, format!("key {key} exceeds i32::MAX")))?;
     Ok((color, key))
+}
+
+/// Checks a send and a receive view: both valid, of one type, the receive
+/// buffer `factor` times the send buffer.
+fn check_send_recv(op: &'static str, send: Span, recv: Span, factor: usize) -> Result<()> {
+    check_view(op, "send buffer", send)?;
+    check_view(op, "receive buffer", recv)?;
+    check_pair(
+        op,
+        ("the send buffer", send),
+        ("the receive buffer", recv),
+        factor,
+    )
 }
 
 /// Checks a view: non-null when non-empty, aligned to its element, and a
