@@ -16,6 +16,7 @@ pub mod oneshot_split;
 pub mod reliability;
 pub mod safe;
 pub mod scale;
+pub mod settings;
 pub mod turns;
 pub mod two_worlds;
 
@@ -402,6 +403,15 @@ pub fn all() -> Vec<Scenario> {
             &[2],
             Nothing,
             integrity::shutdown_idle_worker,
+        ),
+        s(
+            "backend_settings_differ",
+            "ranks with other path settings all take NCCL; a rank missing from set-up fails it by the deadline",
+            2,
+            Some(8),
+            &[2, 3],
+            Nothing,
+            settings::settings_differ,
         ),
         s(
             "two_worlds_concurrent",

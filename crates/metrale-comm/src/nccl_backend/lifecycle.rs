@@ -4,10 +4,13 @@
 //!
 //! Invariants:
 //! - The host census runs, or is skipped, alike on every rank (its
-//!   condition reads only the configuration and the world size, which
-//!   every rank shares); it is one all-reduce of `world_size` words on the
-//!   backend's stream, bounded by the init deadline; every rank ends with
-//!   the same table (`hosts`).
+//!   condition reads only the world size, never a rank's own settings);
+//!   it is one all-reduce of two words per rank (host, path settings) on
+//!   the backend's stream, bounded by the init deadline; every rank ends
+//!   with the same table (`hosts`), so every rank turns the peer-memory
+//!   paths on or off alike, even when the ranks' settings differ. A
+//!   set-up exchange that fails leaks its few bytes rather than free them
+//!   under an all-reduce still waiting for a peer.
 //! - A reconnect aborts before it takes the slot (a thread inside NCCL
 //!   holding it is released by the abort, and the one-shot abort word ends
 //!   any one-shot kernel), keeps the streams, events, scratch and kernel
@@ -31,13 +34,17 @@ use std::time::Instant;
 use nccl_safe::{Comm, DataType, DeviceBuffer, Event, ReduceOp, UniqueId};
 use parking_lot::Mutex;
 
-use super::hosts::{Hosts, host_id};
+use super::hosts::{Hosts, host_id, settings_word};
+use super::one_shot::MAX_RANKS;
 use super::watch::Pool;
 use super::{Inner, NcclBackend, Slot, watchdog};
 use crate::backend::Result;
-use crate::config::{EnqueueMode, OneShotPolicy};
+use crate::config::EnqueueMode;
 use crate::error::{CommError, FailureKind};
 use crate::health::Health;
+
+/// Bytes of one rank's census record: its host id and settings word.
+const CENSUS_BYTES: usize = 16;
 
 impl Inner {
     /// Agrees on a unique id for `generation` and initialises the
@@ -116,40 +123,54 @@ impl Inner {
 }
 
 impl Inner {
-    /// Whether this communicator needs to know its ranks' hosts: a path
-    /// that needs one host could be taken.
-    fn needs_hosts(&self) -> bool {
-        let one_shot = self.config.one_shot != OneShotPolicy::Never && self.world_size >= 2;
-        let fast = self.world_size == 2 && self.config.fast_path.max_fast_bytes().is_some();
-        one_shot || fast
+    /// Whether this communicator learns its ranks' hosts and settings: a
+    /// world the one-shot path (2 to 8 ranks) or the fast path (2) could
+    /// serve. It reads only the world size, which every rank shares, never
+    /// a rank's own settings, so every rank runs the census or skips it
+    /// alike (a rank whose policy rules the paths out still reports it).
+    fn needs_census(&self) -> bool {
+        (2..=MAX_RANKS).contains(&self.world_size)
     }
 
-    /// Learns every rank's host over the slot's (new) communicator, or
-    /// forgets them where no path needs them.
+    /// What this rank's choice of path depends on besides the world and
+    /// the call: every rank must report the same.
+    fn settings(&self, slot: &Slot) -> String {
+        format!(
+            "one-shot {:?}; fast path {:?}; scratch {} bytes; add kernel {}",
+            self.config.one_shot,
+            self.config.fast_path,
+            self.config.scratch_bytes,
+            slot.fast.has_kernel()
+        )
+    }
+
+    /// Learns every rank's host and path settings over the slot's (new)
+    /// communicator, or forgets them where no path could use them.
     pub(super) fn host_census(&self, slot: &mut Slot) -> Result<()> {
         slot.hosts = None;
-        if !self.needs_hosts() {
+        if !self.needs_census() {
             return Ok(());
         }
         let deadline = Instant::now() + self.config.init_timeout;
-        let mut mine = vec![0u8; 8 * self.world_size];
-        mine[8 * self.rank..][..8].copy_from_slice(&host_id().to_le_bytes());
+        let mut mine = vec![0u8; CENSUS_BYTES * self.world_size];
+        let own = &mut mine[CENSUS_BYTES * self.rank..][..CENSUS_BYTES];
+        own[..8].copy_from_slice(&host_id().to_le_bytes());
+        own[8..].copy_from_slice(&settings_word(&self.settings(slot)).to_le_bytes());
         let all = self.exchange_bytes(slot, &mine, deadline).map_err(|e| {
             self.abort_now("host census");
             CommError::setup("host census", e)
         })?;
-        let ids = all
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
-            .collect();
-        let hosts = Hosts::new(ids);
-        if !hosts.one_host() {
+        let word = |c: &[u8]| u64::from_le_bytes(c.try_into().expect("8 bytes"));
+        let (ids, settings): (Vec<u64>, Vec<u64>) = all
+            .chunks_exact(CENSUS_BYTES)
+            .map(|c| (word(&c[..8]), word(&c[8..])))
+            .unzip();
+        let hosts = Hosts::new(ids, &settings);
+        if let Some(why) = hosts.peer_paths_off() {
             tracing::info!(
                 rank = self.rank,
                 world_size = self.world_size,
-                "the ranks span {}: the one-shot and fast paths (peer memory) are off \
-                 for this communicator; a group split per host has them",
-                hosts.describe()
+                "the one-shot and fast paths are off for this communicator: {why}"
             );
         }
         slot.hosts = Some(hosts);
@@ -171,7 +192,7 @@ impl Inner {
         let stream = slot.stream.raw();
         // SAFETY: the buffer holds `mine.len()` bytes of this context; our
         // own stream.
-        unsafe {
+        let done = unsafe {
             comm.all_reduce_raw(
                 buf.device_ptr(),
                 buf.device_ptr(),
@@ -179,11 +200,25 @@ impl Inner {
                 DataType::Uint8,
                 ReduceOp::Sum,
                 stream,
-            )?
-        };
-        slot.stream
-            .wait_until_idle(deadline.saturating_duration_since(Instant::now()))?;
-        comm.async_error()?;
+            )
+        }
+        .and_then(|()| {
+            slot.stream
+                .wait_until_idle(deadline.saturating_duration_since(Instant::now()))
+        })
+        .and_then(|()| comm.async_error());
+        if let Err(e) = done {
+            // The all-reduce may still be waiting for a peer that never
+            // came: freeing its buffer would wait for the whole device,
+            // past any deadline, before the caller's abort could end it.
+            tracing::warn!(
+                rank = self.rank,
+                bytes = mine.len(),
+                "set-up exchange failed ({e}): its buffer is leaked, not freed under it"
+            );
+            std::mem::forget(buf);
+            return Err(e);
+        }
         buf.to_host_vec()
     }
 }

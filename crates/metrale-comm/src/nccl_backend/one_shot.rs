@@ -27,9 +27,10 @@
 //!   graph's own records. Graphs replayed
 //!   on several streams at once, or from several threads, are correct as
 //!   long as every rank launches them in the same order (what NCCL's own
-//!   captured collectives need). A call that still finds its lane held by
-//!   another running call records the concurrent-use status, which
-//!   poisons the backend, instead of corrupting a sum.
+//!   captured collectives need; ranks that launch them in different
+//!   orders get wrong sums, as with NCCL). A call that still finds its
+//!   lane held by another running call of this rank records the
+//!   concurrent-use status, which poisons the backend.
 //! - Nothing waits on the host and no kernel argument changes between
 //!   replays: the lanes' claim words (owner and epoch) live in device
 //!   memory, the abort and status words in pinned memory.

@@ -224,13 +224,10 @@ impl Inner {
                 self.world_size
             ))
         } else {
-            slot.hosts.as_ref().filter(|h| !h.one_host()).map(|h| {
-                format!(
-                    "the ranks span {} (peer memory exists only within a host: split a \
-                     group per host to use the path)",
-                    h.describe()
-                )
-            })
+            slot.hosts
+                .as_ref()
+                .and_then(|h| h.peer_paths_off())
+                .map(str::to_string)
         };
         if let Some(off) = off {
             slot.one_shot.turn_off(off);

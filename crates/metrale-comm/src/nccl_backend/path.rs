@@ -5,19 +5,21 @@
 //! Invariants:
 //! - The choice, in order: the one-shot path (bf16, f16 or f32, on, a size
 //!   inside its policy, outside a group and registered or symmetric
-//!   memory; graph capture allowed), then the fast path (bf16 on 2 ranks of
-//!   one host (`hosts`) with an add kernel, a size inside its policy,
-//!   outside a group, registered or symmetric memory and graph capture),
-//!   then NCCL's all-reduce.
-//! - Every input of the choice is the same on every rank (configuration,
-//!   world size, the set-up's agreed verdicts, the payload's size and
-//!   type), so every rank takes one path; work captured into a graph never
-//!   takes the fast path, whose scratch buffer is ordered between eager
-//!   users by an event a replayed graph cannot wait for.
+//!   memory; graph capture allowed), then the fast path (bf16 on 2 ranks
+//!   of one host whose settings agree (`hosts`) with an add kernel, a size
+//!   inside its policy, outside a group, registered or symmetric memory
+//!   and graph capture), then NCCL's all-reduce.
+//! - Every input of the choice is the same on every rank, so every rank
+//!   takes one path: the world size, the set-up's agreed verdicts, the
+//!   payload's size and type, and the settings, which the census at every
+//!   connect compares (ranks whose policies, scratch size or add kernel
+//!   differ get neither peer-memory path, on every rank). Work captured
+//!   into a graph never takes the fast path, whose scratch buffer is
+//!   ordered between eager users by an event a replayed graph cannot wait
+//!   for.
 
 use nccl_safe::{DataType, ReduceOp};
 
-use super::hosts::Hosts;
 use super::submission::{Capture, Target};
 use super::{Inner, NcclBackend, Slot};
 use crate::kernels;
@@ -92,7 +94,10 @@ impl Inner {
         }
         if self.world_size == 2
             && dtype == DataType::Bfloat16
-            && slot.hosts.as_ref().is_some_and(Hosts::one_host)
+            && slot
+                .hosts
+                .as_ref()
+                .is_some_and(|h| h.peer_paths_off().is_none())
             && capture == Capture::Eager
             && !self.in_group(slot)
             && slot.fast.has_kernel()
