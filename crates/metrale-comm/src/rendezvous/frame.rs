@@ -71,6 +71,16 @@ fn shape(kind: u8) -> Option<(&'static [Field], Option<&'static [Field]>)> {
     })
 }
 
+/// Whether a query of type `kind` may come before the handshake is
+/// through: `VALIDATE`, `PING` (a client without the token learns so from
+/// its answer), `METRALE_AUTH` and `METRALE_HELLO`.
+pub(super) fn handshake_query(kind: u8) -> bool {
+    matches!(
+        kind,
+        query::VALIDATE | query::PING | query::METRALE_AUTH | query::METRALE_HELLO
+    )
+}
+
 /// What the scanner found.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Scan {

@@ -333,8 +333,9 @@ pub(crate) fn refusal_from_bytes(bytes: &[u8]) -> Option<StoreRefusal> {
     let mut rest = &rest[8..];
     let mut text = || -> Option<String> {
         let len = usize::try_from(u64::from_le_bytes(rest.get(..8)?.try_into().ok()?)).ok()?;
-        let t = rest.get(8..8 + len)?;
-        rest = &rest[8 + len..];
+        let end = len.checked_add(8)?;
+        let t = rest.get(8..end)?;
+        rest = &rest[end..];
         Some(String::from_utf8_lossy(t).into_owned())
     };
     let variable = text()?;

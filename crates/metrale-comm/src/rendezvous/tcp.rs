@@ -307,11 +307,12 @@ impl Rendezvous for TcpRendezvous {
         make: &mut dyn FnMut() -> Result<[u8; ID_LEN], String>,
         timeout: Duration,
     ) -> Result<[u8; ID_LEN], RendezvousError> {
+        let deadline = Instant::now() + timeout;
         exchange_id_via(
             self.rank,
             uid_key(&self.namespace, generation),
             make,
-            |k, v| self.client.set(k, v),
+            |k, v| self.client.set_by(k, v, deadline),
             |k| self.client.get(k, timeout),
         )
     }
@@ -321,8 +322,9 @@ impl Rendezvous for TcpRendezvous {
         let left = || timeout.saturating_sub(start.elapsed());
         let n = self.barriers.next(name);
         let base = format!("{}barrier/{name}/{n}", self.namespace);
+        let deadline = start + timeout;
         self.client
-            .set(&format!("{base}/{}", self.rank), BARRIER_PASSED)?;
+            .set_by(&format!("{base}/{}", self.rank), BARRIER_PASSED, deadline)?;
         let done = format!("{base}/done");
         if self.rank != 0 {
             return self.client.wait(&[&done], left()).map_err(|e| match e {
@@ -361,7 +363,7 @@ impl Rendezvous for TcpRendezvous {
                 });
             }
         }
-        self.client.set(&done, BARRIER_PASSED)
+        self.client.set_by(&done, BARRIER_PASSED, deadline)
     }
 
     fn group(

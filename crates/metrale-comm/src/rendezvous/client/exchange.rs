@@ -134,19 +134,25 @@ impl StoreClient {
     }
 
     /// Sends `q` and a `PING`; the echo proves the store applied `q`.
-    pub(super) fn send_confirmed(&self, live: &mut Live, q: &Query) -> Result<(), Fail> {
+    /// The replies are read by `deadline`.
+    pub(super) fn send_confirmed(
+        &self,
+        live: &mut Live,
+        q: &Query,
+        deadline: Instant,
+    ) -> Result<(), Fail> {
         let mut bytes = q.bytes().to_vec();
         bytes.extend_from_slice(Query::new(query::PING).u32(self.nonce).bytes());
         proto::send(&mut live.stream, &bytes).map_err(transport)?;
-        if let Err(refused) = self.status(live, self.io_deadline()) {
+        if let Err(refused) = self.status(live, deadline) {
             // A refused set has no reply of its own: its refusal comes in
             // place of the PING's, which still follows on a connection
             // the store keeps.
             let Fail::Clean(e) = refused else {
                 return Err(refused);
             };
-            let in_step = self.status(live, self.io_deadline()).is_ok()
-                && proto::read_u32_by(&mut live.stream, self.io_deadline())
+            let in_step = self.status(live, deadline).is_ok()
+                && proto::read_u32_by(&mut live.stream, deadline)
                     .is_ok_and(|echo| echo == self.nonce);
             return Err(if in_step {
                 Fail::Clean(e)
@@ -154,7 +160,7 @@ impl StoreClient {
                 Fail::Fatal(e)
             });
         }
-        let echo = proto::read_u32_by(&mut live.stream, self.io_deadline()).map_err(transport)?;
+        let echo = proto::read_u32_by(&mut live.stream, deadline).map_err(transport)?;
         if echo == !self.nonce {
             return Err(Fail::Fatal(RendezvousError::Protocol(format!(
                 "the store at {} refused the query: it is full or the value is over its \

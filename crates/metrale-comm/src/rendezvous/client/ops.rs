@@ -7,7 +7,7 @@
 //! be sent again within its deadline. A set-like query (`set`,
 //! `multi_set`, `append`, `queue_push`) is confirmed by a `PING`.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::super::RendezvousError;
 use super::super::limits::StoreRefusal;
@@ -17,9 +17,21 @@ use super::{Fail, StoreClient, transport};
 impl StoreClient {
     /// Sets `key` to `value`, waking every wait on it.
     pub fn set(&self, key: &str, value: &[u8]) -> Result<(), RendezvousError> {
+        self.set_by(key, value, self.io_deadline())
+    }
+
+    /// [`StoreClient::set`] done by `deadline` (or the I/O timeout, if
+    /// sooner), sending again on a lost connection until then.
+    pub fn set_by(
+        &self,
+        key: &str,
+        value: &[u8],
+        deadline: Instant,
+    ) -> Result<(), RendezvousError> {
         let q = Query::new(query::SET).blob(key.as_bytes()).blob(value);
-        self.call("set", self.io_deadline(), true, |live, _| {
-            self.send_confirmed(live, &q)
+        let deadline = deadline.min(self.io_deadline());
+        self.call("set", deadline, true, |live, deadline| {
+            self.send_confirmed(live, &q, deadline)
         })
     }
 
@@ -109,7 +121,7 @@ impl StoreClient {
             q = q.blob(k.as_bytes()).blob(v);
         }
         self.call("multi_set", self.io_deadline(), true, |live, _| {
-            self.send_confirmed(live, &q)
+            self.send_confirmed(live, &q, self.io_deadline())
         })
     }
 
@@ -118,7 +130,7 @@ impl StoreClient {
     pub fn append(&self, key: &str, value: &[u8]) -> Result<(), RendezvousError> {
         let q = Query::new(query::APPEND).blob(key.as_bytes()).blob(value);
         self.call("append", self.io_deadline(), false, |live, _| {
-            self.send_confirmed(live, &q)
+            self.send_confirmed(live, &q, self.io_deadline())
         })
     }
 
@@ -165,7 +177,7 @@ impl StoreClient {
             .blob(key.as_bytes())
             .blob(value);
         self.call("queue_push", self.io_deadline(), false, |live, _| {
-            self.send_confirmed(live, &q)
+            self.send_confirmed(live, &q, self.io_deadline())
         })
     }
 

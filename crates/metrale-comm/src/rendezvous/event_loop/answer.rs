@@ -145,10 +145,14 @@ impl Loop {
             }
             (Stage::Ready, Query::Refuse(key, refusal)) => {
                 let ext = self.conn(slot).is_some_and(|c| c.ext);
-                let Some(r) = proto::refusal_from_bytes(&refusal).filter(|_| ext) else {
+                let Some(mut r) = proto::refusal_from_bytes(&refusal).filter(|_| ext) else {
                     self.close(slot);
                     return;
                 };
+                // Kept for later waiters: the variable is the limit's own
+                // (never the client's text), the detail is cut short by
+                // `refuse_keys`.
+                r.variable = r.limit.variable().to_string();
                 let (_, ended) = self.store.refuse_keys(r, [key]);
                 self.end_waits(ended);
                 (vec![proto::STATUS_OK], false)
@@ -219,6 +223,11 @@ impl Loop {
                     self.flush(id);
                 }
                 WaitEnd::Refused(r) => {
+                    // One refusal per wait: a set naming two of its keys
+                    // (or a wait naming one key twice) ends it once.
+                    if !self.store.is_waiting(id) {
+                        continue;
+                    }
                     self.store.cancel(id, &mut self.mem);
                     self.refuse(id, (*r).clone(), Refusal::Wait);
                 }

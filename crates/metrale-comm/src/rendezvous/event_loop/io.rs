@@ -4,9 +4,13 @@
 //! queued, given back when written), and writing them without blocking.
 //!
 //! Invariants: a connection with more than [`OUT_HIGH_WATER`] bytes
-//! unwritten reads no more until they drain (it is resumed then); a tail
-//! or a reply never holds memory the budget did not grant; nothing here
-//! blocks.
+//! unwritten reads no more until they drain (it is resumed then), and one
+//! whose replies drain slower than [`MIN_DRAIN_RATE`] is closed at the
+//! write deadline; one
+//! turn of the loop reads at most [`READ_BUDGET`] bytes of a connection;
+//! before its handshake a connection may send only the handshake's
+//! queries; a tail or a reply never holds memory the budget did not
+//! grant; nothing here blocks.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::SocketAddr;
@@ -17,7 +21,7 @@ use mio::net::TcpStream;
 use super::super::frame::{self, Scan, Scanner};
 use super::super::limits::StoreRefusal;
 use super::super::proto;
-use super::{KEEP_CAPACITY, Loop, OUT_HIGH_WATER, PREPAID_OUT};
+use super::{KEEP_CAPACITY, Loop, OUT_HIGH_WATER, PREPAID_OUT, READ_BUDGET};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Stage {
@@ -52,10 +56,22 @@ pub(super) struct Conn {
     pub(super) last_active: Instant,
     pub(super) wait_since: Option<Instant>,
     pub(super) write_stalled: Option<Instant>,
+    /// Bytes written since `write_stalled` was set: a reply that drains
+    /// too slowly stays stalled ([`Loop::flush`]).
+    pub(super) stall_written: usize,
     /// Close once the replies are written.
     pub(super) close_after_flush: bool,
     /// Bytes may be waiting in the socket (reading stopped early).
     pub(super) unread: bool,
+}
+
+/// The slowest a client may read its replies once a write would block:
+/// slower, and it is closed at the write deadline.
+pub(super) const MIN_DRAIN_RATE: usize = 1 << 20;
+
+/// The bytes a stalled connection must read within the write deadline.
+fn drain_step(write: std::time::Duration) -> usize {
+    ((write.as_secs_f64() * MIN_DRAIN_RATE as f64) as usize).max(64 << 10)
 }
 
 impl Conn {
@@ -70,7 +86,12 @@ impl Conn {
 
 impl Loop {
     /// Reads what the socket has and serves every whole query in it.
+    /// At most [`READ_BUDGET`] bytes per turn of the loop: the rest waits
+    /// for the next turn (the connection is resumed), so one client that
+    /// sends without pause never keeps the loop from the others, from
+    /// accepting and from its deadlines.
     pub(super) fn read(&mut self, slot: usize) {
+        let mut budget = READ_BUDGET;
         loop {
             let Some(c) = self.conns.get_mut(slot).and_then(Option::as_mut) else {
                 return;
@@ -82,12 +103,18 @@ impl Loop {
                 c.unread = true;
                 return;
             }
+            if budget == 0 {
+                c.unread = true;
+                self.resume.push_back(slot);
+                return;
+            }
             match c.sock.read(&mut self.scratch) {
                 Ok(0) => {
                     self.close(slot);
                     return;
                 }
                 Ok(n) => {
+                    budget = budget.saturating_sub(n);
                     let buf = std::mem::take(&mut self.scratch);
                     let go_on = self.take_bytes(slot, &buf[..n]);
                     self.scratch = buf;
@@ -140,6 +167,14 @@ impl Loop {
                 // The rest waits in the tail until the replies drain.
                 c.unread = true;
                 break false;
+            }
+            // Before its handshake is through, a connection may send only
+            // the handshake's queries: nothing it sends is kept or charged
+            // beyond a token's length.
+            if c.stage != Stage::Ready && !frame::handshake_query(view[0]) {
+                tracing::debug!(peer = %c.peer, kind = view[0], "store query before the handshake; closing");
+                self.close(slot);
+                return false;
             }
             match c.scanner.scan(view, &self.limits) {
                 Scan::Incomplete => break true,
@@ -249,6 +284,7 @@ impl Loop {
     /// written (a stalled one is closed at the tick).
     pub(super) fn flush(&mut self, slot: usize) {
         self.publish_light();
+        let drain_step = drain_step(self.limits.write);
         let Some(c) = self.conns.get_mut(slot).and_then(Option::as_mut) else {
             return;
         };
@@ -260,10 +296,21 @@ impl Loop {
                 }
                 Ok(n) => {
                     c.out_pos += n;
-                    c.write_stalled = None;
+                    // A stall ends when the client has read what the write
+                    // deadline's worth of MIN_DRAIN_RATE comes to, not at
+                    // any progress: a client reading a byte at a time
+                    // cannot hold its replies' memory for ever.
+                    c.stall_written += n;
+                    if c.stall_written >= drain_step {
+                        c.write_stalled = None;
+                        c.stall_written = 0;
+                    }
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    c.write_stalled.get_or_insert_with(Instant::now);
+                    if c.write_stalled.is_none() {
+                        c.write_stalled = Some(Instant::now());
+                        c.stall_written = 0;
+                    }
                     return;
                 }
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
@@ -274,6 +321,7 @@ impl Loop {
             }
         }
         c.write_stalled = None;
+        c.stall_written = 0;
         c.out = Vec::new();
         c.out_pos = 0;
         let give = c.out_charged;

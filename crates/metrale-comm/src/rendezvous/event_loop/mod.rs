@@ -19,8 +19,9 @@
 //!   written. A reply's bound is checked against memory before its query
 //!   is applied.
 //! - A connection with more than [`OUT_HIGH_WATER`] bytes unwritten reads
-//!   no more queries until they drain, and one whose bytes cannot be
-//!   written for [`StoreLimits::write`] is closed.
+//!   no more queries until they drain, and one whose replies cannot be
+//!   written, or drain slower than `io::MIN_DRAIN_RATE`, for
+//!   [`StoreLimits::write`] is closed.
 //! - Deadlines (handshake, query, idle, write, a refusal's last word) are
 //!   checked every [`TICK`]; `poll` never waits longer.
 //! - A client of ours is told every refusal, and keeps its connection
@@ -30,8 +31,16 @@
 //! - At the cap, the oldest connection in its handshake for at least
 //!   [`HANDSHAKE_GRACE`] is closed for the new one; a connection past its
 //!   handshake is never evicted.
-//! - A panic while handling one connection's event closes that connection
-//!   and nothing else.
+//! - One turn of the loop reads at most [`READ_BUDGET`] bytes of each
+//!   connection; one with more waiting is resumed the next turn, after
+//!   every other ready connection, accepting and the deadlines, so one
+//!   client sending without pause cannot keep the loop from the others.
+//! - Before its handshake is through a connection may send only the
+//!   handshake's queries (`frame::handshake_query`); anything else closes
+//!   it, so a client without the token makes the store hold nothing but
+//!   its connection and a token's bytes.
+//! - A panic while handling one connection (its events, its admission,
+//!   its resumption) closes that connection and nothing else.
 //!
 //! Lock order: there are no locks here. The loop thread owns the
 //! connections, the store and the memory budget, and shares only
@@ -81,6 +90,11 @@ const HANDSHAKE_GRACE: Duration = Duration::from_secs(1);
 /// Connections being refused at once, at most; past it, a connection over
 /// the cap is closed at once.
 const MAX_REFUSING: usize = 64;
+/// How long a connection being refused may stay silent before a new one
+/// to refuse takes its place (when [`MAX_REFUSING`] are being refused).
+const SILENT_REFUSING: Duration = Duration::from_millis(100);
+/// Bytes one connection may have read in one turn of the loop.
+pub(super) const READ_BUDGET: usize = 4 * SCRATCH;
 /// A tail kept when its buffer shrinks.
 pub(super) const KEEP_CAPACITY: usize = 4096;
 
@@ -160,7 +174,13 @@ impl Loop {
             if self.shared.stop.load(Ordering::SeqCst) {
                 return;
             }
-            let timeout = next_tick.saturating_duration_since(Instant::now());
+            // Connections left with bytes to read are served next turn,
+            // after everyone else's events: no sleep while they wait.
+            let timeout = if self.resume.is_empty() {
+                next_tick.saturating_duration_since(Instant::now())
+            } else {
+                Duration::ZERO
+            };
             if let Err(e) = self.poll.poll(&mut events, Some(timeout))
                 && e.kind() != ErrorKind::Interrupted
             {
@@ -173,34 +193,32 @@ impl Loop {
                     WAKER => {}
                     Token(t) => {
                         let slot = t - CONN_BASE;
-                        let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        self.guarded(slot, |lp| {
                             if ev.is_writable() || ev.is_write_closed() {
-                                self.flush(slot);
+                                lp.flush(slot);
                             }
                             if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
-                                self.read(slot);
+                                lp.read(slot);
                             }
-                        }));
-                        if ok.is_err() {
-                            tracing::error!("store connection handler panicked; closing it");
-                            // The scratch buffer may have been taken out.
-                            if self.scratch.len() != SCRATCH {
-                                self.scratch = vec![0u8; SCRATCH];
-                            }
-                            self.close(slot);
-                        }
+                        });
                     }
                 }
             }
-            while let Some(slot) = self.resume.pop_front() {
+            // This turn's resumed connections; those they push back wait
+            // for the next turn.
+            for slot in std::mem::take(&mut self.resume) {
                 let ready = self.conns.get(slot).is_some_and(|c| {
                     c.as_ref()
                         .is_some_and(|c| c.unread && c.pending_out() <= OUT_HIGH_WATER)
                 });
                 // The queries already in the tail first: the client may
                 // have sent them all and be waiting for their replies.
-                if ready && self.take_bytes(slot, &[]) {
-                    self.read(slot);
+                if ready {
+                    self.guarded(slot, |lp| {
+                        if lp.take_bytes(slot, &[]) {
+                            lp.read(slot);
+                        }
+                    });
                 }
             }
             if Instant::now() >= next_tick {
@@ -208,6 +226,20 @@ impl Loop {
                 next_tick = Instant::now() + TICK;
             }
             self.publish();
+        }
+    }
+
+    /// Runs `f` on connection `slot`'s behalf: a panic in it closes that
+    /// connection and nothing else.
+    fn guarded(&mut self, slot: usize, f: impl FnOnce(&mut Loop)) {
+        let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut *self)));
+        if ok.is_err() {
+            tracing::error!("store connection handler panicked; closing it");
+            // The scratch buffer may have been taken out.
+            if self.scratch.len() != SCRATCH {
+                self.scratch = vec![0u8; SCRATCH];
+            }
+            self.close(slot);
         }
     }
 
@@ -273,7 +305,7 @@ impl Loop {
         }
         if matches!(stage, Stage::Refusing(_)) {
             self.refusals += 1;
-            if self.refusing >= MAX_REFUSING {
+            if self.refusing >= MAX_REFUSING && !self.drop_silent_refusing(now) {
                 tracing::warn!(%peer, "store refusing too many connections: closed without a word");
                 return;
             }
@@ -317,11 +349,32 @@ impl Loop {
             last_active: now,
             wait_since: None,
             write_stalled: None,
+            stall_written: 0,
             close_after_flush: false,
             unread: true,
         });
         // Bytes may already be there (edge-triggered: no event for them).
-        self.read(slot);
+        self.guarded(slot, |lp| lp.read(slot));
+    }
+
+    /// Closes the oldest connection being refused that has sent nothing for
+    /// [`SILENT_REFUSING`] (a client of ours asks at once, so a silent one
+    /// is not listening), making room to tell a new one why; whether there
+    /// was one.
+    fn drop_silent_refusing(&mut self, now: Instant) -> bool {
+        let victim = self
+            .conns
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| c.as_ref().map(|c| (i, c)))
+            .filter(|(_, c)| {
+                matches!(c.stage, Stage::Refusing(_))
+                    && c.last_active == c.accepted
+                    && now.duration_since(c.accepted) >= SILENT_REFUSING
+            })
+            .min_by_key(|(_, c)| c.accepted)
+            .map(|(i, _)| i);
+        victim.inspect(|&i| self.close(i)).is_some()
     }
 
     /// Closes the oldest connection in its handshake for at least the
