@@ -642,7 +642,112 @@ pub fn concurrent_graphs(ctx: &RankCtx) -> anyhow::Result<()> {
         }
     }
     drop(execs);
+    interleaved_captures(ctx, &b, seed, n)?;
     ctx.barrier("oneshot-concurrent: done")?;
     b.shutdown()?;
     no_mapping_left(ctx, "oneshot-concurrent")
+}
+
+/// Two graphs captured at once on two threads, their one-shots
+/// interleaved: graph 1's first on stream A, graph 2's on stream B, then
+/// graph 1's second on A', forked from A before the first (on GPUs; on
+/// the emulator, on A). Graph 1's two
+/// one-shots are ordered by its own capture's edge, whatever graph 2's
+/// capture did in between; both graphs replayed, every sum checked.
+fn interleaved_captures(
+    ctx: &RankCtx,
+    b: &metrale_comm::NcclBackend,
+    seed: u64,
+    n: usize,
+) -> anyhow::Result<()> {
+    ctx.step("two graphs captured at once on two threads, one-shots interleaved");
+    let turn = std::sync::Barrier::new(2);
+    let streams: Vec<Stream> = (0..3)
+        .map(|_| Stream::new(b.context()))
+        .collect::<Result<_, _>>()?;
+    let mut bufs: Vec<DeviceBuffer<bf16>> = (0..3)
+        .map(|i| DeviceBuffer::<bf16>::alloc(b.context(), n + 3 * i))
+        .collect::<Result<_, _>>()?;
+    let salt = |i: usize| 700 + i as u64;
+    for (i, buf) in bufs.iter_mut().enumerate() {
+        let len = buf.len();
+        buf.copy_from_host(&random_vec(seed, ctx.rank, salt(i), len))?;
+    }
+    let (first, rest) = bufs.split_at_mut(1);
+    let (second, third) = rest.split_at_mut(1);
+    // The emulator joins no stream into a capture through an event: there
+    // graph 1's second one-shot stays on A (the captures still interleave).
+    let forked = ctx.on_gpu();
+    let (a, bs) = (&streams[0], &streams[2]);
+    let a2 = if forked { &streams[1] } else { a };
+    let (g1, g2) = std::thread::scope(|scope| {
+        let one = scope.spawn(|| -> anyhow::Result<nccl_safe::GraphExec> {
+            // Both turns are taken whatever fails, so neither thread waits
+            // for ever.
+            let waited = std::cell::Cell::new(0);
+            let take_turn = || {
+                turn.wait();
+                waited.set(waited.get() + 1);
+            };
+            let r = (|| -> anyhow::Result<()> {
+                a.begin_capture()?;
+                let fork = nccl_safe::Event::new(b.context(), false)?;
+                if forked {
+                    fork.record(a)?;
+                    a2.wait_event(&fork)?;
+                }
+                b.all_reduce_async(first[0].view_mut(), a.as_ref())?;
+                take_turn();
+                take_turn();
+                b.all_reduce_async(second[0].view_mut(), a2.as_ref())?;
+                if forked {
+                    fork.record(a2)?;
+                    a.wait_event(&fork)?;
+                }
+                Ok(())
+            })();
+            while waited.get() < 2 {
+                take_turn();
+            }
+            let graph = a.end_capture();
+            r.context("capturing graph 1")?;
+            Ok(graph?.instantiate()?)
+        });
+        let two = scope.spawn(|| -> anyhow::Result<nccl_safe::GraphExec> {
+            turn.wait();
+            let graph = bs.begin_capture().and_then(|()| {
+                let r = b.all_reduce_async(third[0].view_mut(), bs.as_ref());
+                let graph = bs.end_capture();
+                r.map_err(|e| nccl_safe::Error::invalid("capturing graph 2", e.to_string()))
+                    .and(graph)
+            });
+            turn.wait();
+            Ok(graph.context("capturing graph 2")?.instantiate()?)
+        });
+        (one.join(), two.join())
+    });
+    let g1 = g1.map_err(|_| anyhow::anyhow!("graph 1's thread panicked"))??;
+    let g2 = g2.map_err(|_| anyhow::anyhow!("graph 2's thread panicked"))??;
+    ctx.barrier("oneshot-concurrent: interleaved captures")?;
+    g1.launch(a)?;
+    g2.launch(bs)?;
+    for s in &streams {
+        s.wait_until_idle(WAIT)
+            .context("an interleaved capture's replay did not end in time")?;
+    }
+    ensure!(
+        b.is_healthy(),
+        "poisoned by interleaved captures: {:?}",
+        b.failure()
+    );
+    for (i, buf) in bufs.iter().enumerate() {
+        let len = buf.len();
+        check_sum(
+            ctx,
+            &format!("interleaved captures: buffer {i}"),
+            &buf.to_host_vec()?,
+            |r| random_vec(seed, r, salt(i), len),
+        )?;
+    }
+    Ok(())
 }

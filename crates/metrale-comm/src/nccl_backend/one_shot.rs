@@ -22,9 +22,10 @@
 //!   external record of it, so at each launch of a graph its one-shots
 //!   wait for those of every graph launched before it on this rank, on
 //!   whatever stream; a graph's later one-shots are ordered after its
-//!   earlier ones by the graph (stream order, or `graph_fork` across its
-//!   streams), never by an external wait, which would wait for the same
-//!   graph's own records. Graphs replayed
+//!   earlier ones by the graph (stream order, or its capture's own fork
+//!   event across its streams, one per open capture, so graphs captured
+//!   on several threads at once never share one), never by an external
+//!   wait, which would wait for the same graph's own records. Graphs replayed
 //!   on several streams at once, or from several threads, are correct as
 //!   long as every rank launches them in the same order (what NCCL's own
 //!   captured collectives need; ranks that launch them in different
@@ -151,12 +152,27 @@ pub(super) struct OneShot {
     /// external events, so replays run in launch order (NCCL's strong
     /// stream does the same for its captured kernels).
     graph_serial: Event,
-    /// Orders a graph's later one-shots after its earlier ones when they
-    /// sit on other streams of the same capture (a capture-internal
-    /// record and wait: a graph edge, no node at replay).
-    graph_fork: Event,
-    /// The capture (id) and stream of the last captured one-shot.
-    last_capture: Option<(u64, CUstream)>,
+    /// The captures with a one-shot, newest last (at most
+    /// [`MAX_OPEN_CAPTURES`]): each one's last one-shot stream and its own
+    /// event ordering its later one-shots after its earlier ones, so
+    /// captures on several threads at once never share one.
+    captures: Vec<OpenCapture>,
+}
+
+/// The captures whose one-shot order is kept at once; past it the oldest
+/// entry (almost surely a capture long ended) is reused.
+const MAX_OPEN_CAPTURES: usize = 64;
+
+/// A capture that holds a one-shot.
+struct OpenCapture {
+    /// Its capture sequence id.
+    id: u64,
+    /// The stream of its last one-shot.
+    stream: CUstream,
+    /// Recorded after its last one-shot and waited for by a later one on
+    /// another of its streams (capture-internal: a graph edge, no node at
+    /// replay).
+    fork: Event,
 }
 
 impl OneShot {
@@ -170,8 +186,7 @@ impl OneShot {
             eager_done: Event::new(ctx, false)?,
             eager_stream: None,
             graph_serial: Event::new(ctx, false)?,
-            graph_fork: Event::new(ctx, false)?,
-            last_capture: None,
+            captures: Vec::new(),
         })
     }
 
@@ -204,7 +219,7 @@ impl OneShot {
     pub(super) fn begin_setup(&mut self) {
         self.on = false;
         self.eager_stream = None;
-        self.last_capture = None;
+        self.captures.clear();
     }
 
     /// Keeps this generation's set-up resources.
@@ -273,30 +288,50 @@ impl OneShot {
         let (ctrl, chunk) = (live.ctrl.device_ptr(), live.slot_bytes / dtype.size());
         let captured = target.capture == Capture::Graph;
         let lane = if captured { LANE_GRAPH } else { LANE_EAGER };
+        let mut open = None;
         if captured {
             // SAFETY: `stream` is the caller's live stream of this context
             // (a `StreamRef`), capturing.
-            let id = unsafe { nccl_safe::Stream::capture_id_raw(ctx, stream)? };
-            match self.last_capture {
+            let Some(id) = (unsafe { nccl_safe::Stream::capture_id_raw(ctx, stream)? }) else {
+                // An invalidated capture: nothing is enqueued, and the
+                // capture fails at its end anyway.
+                return Err(nccl_safe::Error::invalid(
+                    "one-shot all-reduce",
+                    "the stream's capture is invalidated",
+                ));
+            };
+            let at = match self.captures.iter().position(|c| c.id == id) {
                 // A later one-shot of the same graph: ordered after the
                 // earlier ones by the graph itself (stream order, or an
                 // edge from the earlier one's stream). An external wait
                 // here would wait for this very graph's own records.
-                Some((last, s)) if Some(last) == id => {
-                    if s != stream {
+                Some(at) => {
+                    let c = &self.captures[at];
+                    if c.stream != stream {
                         // SAFETY: both streams are capturing into this
-                        // graph; the event is ours.
-                        unsafe { self.graph_fork.wait_raw(stream)? };
+                        // graph; the event is this capture's.
+                        unsafe { c.fork.wait_raw(stream)? };
                     }
+                    at
                 }
                 // A graph's first one-shot: it waits, at each launch, for
                 // the one-shots of every graph launched before it.
-                // SAFETY: as above; the event is ours and outlives every
-                // graph that may replay this (a graph must not be replayed
-                // after the backend's release, as its control block).
-                _ => unsafe { self.graph_serial.wait_external_raw(stream)? },
-            }
-            self.last_capture = id.map(|id| (id, stream));
+                None => {
+                    // SAFETY: as above; the event is ours and outlives
+                    // every graph that may replay this (a graph must not
+                    // be replayed after the backend's release, as its
+                    // control block).
+                    unsafe { self.graph_serial.wait_external_raw(stream)? };
+                    let fork = if self.captures.len() >= MAX_OPEN_CAPTURES {
+                        self.captures.remove(0).fork
+                    } else {
+                        Event::new(ctx, false)?
+                    };
+                    self.captures.push(OpenCapture { id, stream, fork });
+                    self.captures.len() - 1
+                }
+            };
+            open = Some(at);
         } else if self.eager_stream.is_some_and(|s| s != stream) {
             // SAFETY: `stream` is ours or the caller's live stream of this
             // context (a `StreamRef`); the event is ours.
@@ -318,11 +353,13 @@ impl OneShot {
                 )?
             };
         }
-        if captured {
+        if let Some(at) = open {
+            let c = &mut self.captures[at];
+            c.stream = stream;
             // SAFETY: as above.
             unsafe {
                 self.graph_serial.record_external_raw(stream)?;
-                self.graph_fork.record_raw(stream)?;
+                c.fork.record_raw(stream)?;
             }
         } else {
             // SAFETY: as above.
