@@ -67,7 +67,7 @@ use crate::error::CommError;
 use crate::kernels::{self, OneShotElement};
 
 /// Bytes of one rank's record in the set-up exchanges.
-const RECORD_BYTES: usize = 128;
+const RECORD_BYTES: usize = 160;
 const MAGIC: u32 = 0x4f53_5231;
 /// The set-up probe's calls, in order: its lane and type. Both halves of
 /// both lanes, and every type's kernel.
@@ -82,13 +82,14 @@ const PROBE_ROUNDS: [(u32, DataType); 4] = [
 #[derive(Clone)]
 struct Record {
     ok: bool,
-    pid: u32,
+    /// This process among all of the job's (see [`process_id`]).
+    process: u64,
     host: u64,
     device: u32,
     recv: u64,
     slot_bytes: u64,
     handle: [u8; 64],
-    /// Why it failed (its first 24 bytes are exchanged).
+    /// Why it failed (its first 48 bytes are exchanged).
     why: String,
 }
 
@@ -96,7 +97,7 @@ impl Default for Record {
     fn default() -> Record {
         Record {
             ok: false,
-            pid: 0,
+            process: 0,
             host: 0,
             device: 0,
             recv: 0,
@@ -119,15 +120,15 @@ impl Record {
         let mut b = [0u8; RECORD_BYTES];
         b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
         b[4] = u8::from(self.ok);
-        b[8..12].copy_from_slice(&self.pid.to_le_bytes());
         b[12..16].copy_from_slice(&self.device.to_le_bytes());
         b[16..24].copy_from_slice(&self.host.to_le_bytes());
         b[24..32].copy_from_slice(&self.recv.to_le_bytes());
         b[32..40].copy_from_slice(&self.slot_bytes.to_le_bytes());
         b[40..104].copy_from_slice(&self.handle);
+        b[104..112].copy_from_slice(&self.process.to_le_bytes());
         let why = self.why.as_bytes();
-        let n = why.len().min(RECORD_BYTES - 104);
-        b[104..104 + n].copy_from_slice(&why[..n]);
+        let n = why.len().min(RECORD_BYTES - 112);
+        b[112..112 + n].copy_from_slice(&why[..n]);
         b
     }
 
@@ -143,12 +144,12 @@ impl Record {
         }
         let mut handle = [0u8; 64];
         handle.copy_from_slice(&b[40..104]);
-        let why = String::from_utf8_lossy(&b[104..RECORD_BYTES])
+        let why = String::from_utf8_lossy(&b[112..RECORD_BYTES])
             .trim_end_matches('\0')
             .to_string();
         Record {
             ok: b[4] == 1,
-            pid: u32_at(8),
+            process: u64_at(104),
             device: u32_at(12),
             host: u64_at(16),
             recv: u64_at(24),
@@ -192,6 +193,17 @@ fn probe_input<T: OneShotElement>(rank: usize, round: usize) -> Vec<T> {
             _ => T::from_f32((rank + 1) as f32 * 0.25 + ((i + round) % 13) as f32 - 6.0),
         })
         .collect()
+}
+
+/// This process's identity among all of the job's: its id with a random
+/// word drawn once per process. A process id alone repeats across
+/// containers (each has its own PID namespace) that share a host id, and
+/// taking a peer in another container for this process would map its
+/// address here.
+fn process_id() -> u64 {
+    use std::hash::BuildHasher;
+    static ID: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *ID.get_or_init(|| std::collections::hash_map::RandomState::new().hash_one(std::process::id()))
 }
 
 /// How one call of the probe went.
@@ -338,7 +350,7 @@ impl Inner {
         let flags = HostWords::alloc(&self.ctx, 2).map_err(|e| step("pinned flags", e))?;
         let record = Record {
             ok: true,
-            pid: std::process::id(),
+            process: process_id(),
             host: super::hosts::host_id(),
             device: dev as u32,
             recv: recv.device_ptr(),
@@ -382,7 +394,7 @@ impl Inner {
                     addrs[p] = m.device_ptr();
                     peers.push(PeerMem::Ipc { _mapping: m });
                 }
-                Err(ipc) if r.pid == me.pid => {
+                Err(ipc) if r.process == me.process => {
                     // The driver opens no handle of this very process: reach
                     // the peer's address directly.
                     let peer = Context::new(r.device as usize)
@@ -651,7 +663,7 @@ mod tests {
     fn records_round_trip() {
         let r = Record {
             ok: true,
-            pid: 42,
+            process: 42,
             host: 7,
             device: 3,
             recv: 0x1000,
@@ -661,12 +673,18 @@ mod tests {
         };
         let d = Record::decode(&r.encode());
         assert!(d.ok);
-        assert_eq!((d.pid, d.host, d.device, d.recv), (42, 7, 3, 0x1000));
+        assert_eq!((d.process, d.host, d.device, d.recv), (42, 7, 3, 0x1000));
         assert_eq!(
             (d.slot_bytes, d.handle, d.why.as_str()),
             (1 << 20, [9; 64], "a reason")
         );
         assert!(!Record::decode(&[0u8; RECORD_BYTES]).ok);
+    }
+
+    #[test]
+    fn the_process_id_is_stable_and_not_the_bare_pid() {
+        assert_eq!(process_id(), process_id());
+        assert_ne!(process_id(), u64::from(std::process::id()));
     }
 
     #[test]
