@@ -43,7 +43,10 @@
 //!   any completion).
 //! - Graphs that captured a one-shot must not be replayed after a
 //!   reconnect or shutdown (their control block is gone), as with NCCL's
-//!   captured collectives on a destroyed communicator.
+//!   captured collectives on a destroyed communicator; replays launched
+//!   before it are waited for (bounded, through `graph_serial`) before the
+//!   release closes any mapping or frees anything, else everything is
+//!   leaked.
 //!
 //! Lock order: [`Flags`] has one lock, a leaf; [`OneShot`] lives in the
 //! slot and is used under the slot lock.
@@ -157,6 +160,9 @@ pub(super) struct OneShot {
     /// event ordering its later one-shots after its earlier ones, so
     /// captures on several threads at once never share one.
     captures: Vec<OpenCapture>,
+    /// A one-shot was captured since the last release: graphs holding it
+    /// may be replaying.
+    graphs_captured: bool,
 }
 
 /// The captures whose one-shot order is kept at once; past it the oldest
@@ -187,6 +193,7 @@ impl OneShot {
             eager_stream: None,
             graph_serial: Event::new(ctx, false)?,
             captures: Vec::new(),
+            graphs_captured: false,
         })
     }
 
@@ -267,6 +274,15 @@ impl OneShot {
     /// it finished (or there was none).
     pub(super) fn drain_eager(&mut self, within: Duration) -> bool {
         self.eager_stream.take().is_none() || self.eager_done.wait_with_deadline(within).is_ok()
+    }
+
+    /// Waits up to `within` for the one-shots of every graph launched so
+    /// far on this rank, on whatever stream (each records `graph_serial`
+    /// at its end, and each waits for the ones launched before it, so the
+    /// last record is the last to complete); whether they finished.
+    pub(super) fn drain_graphs(&mut self, within: Duration) -> bool {
+        !std::mem::take(&mut self.graphs_captured)
+            || self.graph_serial.wait_with_deadline(within).is_ok()
     }
 
     /// Enqueues a one-shot all-reduce of `span` at `target` (lane 1 when
@@ -354,6 +370,7 @@ impl OneShot {
             };
         }
         if let Some(at) = open {
+            self.graphs_captured = true;
             let c = &mut self.captures[at];
             c.stream = stream;
             // SAFETY: as above.

@@ -29,8 +29,9 @@
 //!   exchanges always match; the verdict of every round is the same on
 //!   every rank, so the path is on everywhere or nowhere.
 //! - Release order (at reconnect and shutdown, poisoned or not): set the
-//!   abort word, wait (bounded) for this rank's own one-shot work, close
-//!   this rank's mappings of the peers' buffers, then a host barrier
+//!   abort word, wait (bounded) for this rank's own one-shot work (eager,
+//!   and graph replays launched on any stream), close this rank's
+//!   mappings of the peers' buffers, then a host barrier
 //!   through the rendezvous' store (every peer has closed its mapping of
 //!   this rank's buffer), and only then free. The barrier is host-only: a
 //!   kernel waiting for a peer could block that peer's teardown of another
@@ -564,16 +565,28 @@ impl Inner {
             l.flags.store(kernels::abi::one_shot::FLAG_ABORT, 1);
         }
         let left = || deadline.saturating_duration_since(Instant::now());
-        let drained = slot.one_shot.drain_eager(left());
+        // Eager one-shots, and graph replays launched before now on any
+        // stream (the abort word ends those that wait for a peer).
+        let eager = slot.one_shot.drain_eager(left());
+        let drained = slot.one_shot.drain_graphs(left()) && eager;
         if let Some(l) = live.as_mut() {
-            drop(std::mem::take(&mut l.peers));
+            let peers = std::mem::take(&mut l.peers);
+            if drained {
+                drop(peers);
+            } else {
+                // A kernel of this rank may still push through them.
+                std::mem::forget(peers);
+            }
         }
         // Every rank that took part in the exchange meets here, its own
         // mappings closed: a host barrier through the rendezvous' store, so
         // no kernel waits for a peer that may be tearing down another
-        // communicator (whose teardown waits for this GPU).
+        // communicator (whose teardown waits for this GPU). A rank whose
+        // own work did not drain keeps its mappings and does not come, so
+        // its peers keep their buffers too.
         let unmapped = match (owed, self.store.as_ref()) {
             (None, _) => true,
+            (Some(_), _) if !drained => false,
             (Some(generation), Some(rv)) => {
                 match rv.barrier(&format!("one-shot release {generation}"), left()) {
                     Ok(()) => true,
