@@ -323,8 +323,19 @@ impl Rendezvous for TcpRendezvous {
         let n = self.barriers.next(name);
         let base = format!("{}barrier/{name}/{n}", self.namespace);
         let deadline = start + timeout;
+        // A set that runs out of the barrier's time is the barrier's
+        // timeout, whatever the transport said.
+        let late = |key: &str, e: RendezvousError| match e {
+            RendezvousError::Io { .. } if Instant::now() >= deadline => RendezvousError::Timeout {
+                key: format!("the store's answer to the set of {key}"),
+                after: timeout,
+            },
+            other => other,
+        };
+        let mine = format!("{base}/{}", self.rank);
         self.client
-            .set_by(&format!("{base}/{}", self.rank), BARRIER_PASSED, deadline)?;
+            .set_by(&mine, BARRIER_PASSED, deadline)
+            .map_err(|e| late(&mine, e))?;
         let done = format!("{base}/done");
         if self.rank != 0 {
             return self.client.wait(&[&done], left()).map_err(|e| match e {
@@ -363,7 +374,9 @@ impl Rendezvous for TcpRendezvous {
                 });
             }
         }
-        self.client.set_by(&done, BARRIER_PASSED, deadline)
+        self.client
+            .set_by(&done, BARRIER_PASSED, deadline)
+            .map_err(|e| late(&done, e))
     }
 
     fn group(

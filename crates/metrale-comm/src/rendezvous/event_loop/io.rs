@@ -63,6 +63,9 @@ pub(super) struct Conn {
     pub(super) close_after_flush: bool,
     /// Bytes may be waiting in the socket (reading stopped early).
     pub(super) unread: bool,
+    /// In the loop's resume queue (at most once: a client that sends
+    /// without pause would otherwise be queued once per reply).
+    pub(super) queued: bool,
 }
 
 /// The slowest a client may read its replies once a write would block:
@@ -105,7 +108,9 @@ impl Loop {
             }
             if budget == 0 {
                 c.unread = true;
-                self.resume.push_back(slot);
+                if !std::mem::replace(&mut c.queued, true) {
+                    self.resume.push_back(slot);
+                }
                 return;
             }
             match c.sock.read(&mut self.scratch) {
@@ -326,7 +331,8 @@ impl Loop {
         c.out_pos = 0;
         let give = c.out_charged;
         c.out_charged = 0;
-        let (close, resume) = (c.close_after_flush, c.unread);
+        let (close, resume) = (c.close_after_flush, c.unread && !c.queued);
+        c.queued |= resume;
         self.mem.give(give);
         self.io_charged -= give;
         if close {

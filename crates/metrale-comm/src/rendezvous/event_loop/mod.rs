@@ -32,7 +32,7 @@
 //!   [`HANDSHAKE_GRACE`] is closed for the new one; a connection past its
 //!   handshake is never evicted.
 //! - One turn of the loop reads at most [`READ_BUDGET`] bytes of each
-//!   connection; one with more waiting is resumed the next turn, after
+//!   connection (one read of the scratch buffer); one with more waiting is resumed the next turn, after
 //!   every other ready connection, accepting and the deadlines, so one
 //!   client sending without pause cannot keep the loop from the others.
 //! - Before its handshake is through a connection may send only the
@@ -94,7 +94,7 @@ const MAX_REFUSING: usize = 64;
 /// to refuse takes its place (when [`MAX_REFUSING`] are being refused).
 const SILENT_REFUSING: Duration = Duration::from_millis(100);
 /// Bytes one connection may have read in one turn of the loop.
-pub(super) const READ_BUDGET: usize = 4 * SCRATCH;
+pub(super) const READ_BUDGET: usize = SCRATCH;
 /// A tail kept when its buffer shrinks.
 pub(super) const KEEP_CAPACITY: usize = 4096;
 
@@ -207,9 +207,9 @@ impl Loop {
             // This turn's resumed connections; those they push back wait
             // for the next turn.
             for slot in std::mem::take(&mut self.resume) {
-                let ready = self.conns.get(slot).is_some_and(|c| {
-                    c.as_ref()
-                        .is_some_and(|c| c.unread && c.pending_out() <= OUT_HIGH_WATER)
+                let ready = self.conn(slot).is_some_and(|c| {
+                    c.queued = false;
+                    c.unread && c.pending_out() <= OUT_HIGH_WATER
                 });
                 // The queries already in the tail first: the client may
                 // have sent them all and be waiting for their replies.
@@ -352,6 +352,7 @@ impl Loop {
             stall_written: 0,
             close_after_flush: false,
             unread: true,
+            queued: false,
         });
         // Bytes may already be there (edge-triggered: no event for them).
         self.guarded(slot, |lp| lp.read(slot));
