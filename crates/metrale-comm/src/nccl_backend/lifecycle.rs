@@ -188,7 +188,16 @@ impl Inner {
         deadline: Instant,
     ) -> nccl_safe::Result<Vec<u8>> {
         let buf = DeviceBuffer::<u8>::from_host(&self.ctx, mine)?;
-        let comm = slot.comm("set-up exchange")?;
+        let left = || deadline.saturating_duration_since(Instant::now());
+        // On a non-blocking communicator the enqueue itself waits for the
+        // peers (NCCL connects at a peer's first operation): bounded by
+        // this deadline too, not the collective timeout.
+        let comm = slot.comm.as_mut().ok_or(nccl_safe::Error::Aborted {
+            call: "set-up exchange",
+        })?;
+        let usual = comm.enqueue_deadline();
+        comm.set_enqueue_deadline(Some(left()));
+        let comm = &*comm;
         let stream = slot.stream.raw();
         // SAFETY: the buffer holds `mine.len()` bytes of this context; our
         // own stream.
@@ -202,11 +211,11 @@ impl Inner {
                 stream,
             )
         }
-        .and_then(|()| {
-            slot.stream
-                .wait_until_idle(deadline.saturating_duration_since(Instant::now()))
-        })
+        .and_then(|()| slot.stream.wait_until_idle(left()))
         .and_then(|()| comm.async_error());
+        if let Some(comm) = slot.comm.as_mut() {
+            comm.set_enqueue_deadline(usual);
+        }
         if let Err(e) = done {
             // The all-reduce may still be waiting for a peer that never
             // came: freeing its buffer would wait for the whole device,
