@@ -14,8 +14,10 @@
 //!
 //! Each rank is a real `TcpRendezvous` (as the `env://` path makes), one
 //! thread each, in child processes of at most K ranks (4096): it connects,
-//! takes rank 0's unique id (`exchange_id`) and passes a barrier; a second
-//! barrier keeps the store until every rank is done. The children start
+//! takes rank 0's unique id (`exchange_id`) and passes a barrier, then a
+//! second one; rank 0 serves until every child has said its ranks are
+//! through ("exit" on its stdin: rank 0 passes its last barrier before
+//! the others have heard it). The children start
 //! their threads, then all are released at once ("go" on their stdin),
 //! and each reports its ranks' latest time past the first barrier from
 //! its release. The serving process samples its threads and descriptors
@@ -214,6 +216,11 @@ fn run(n: usize, store: Option<SocketAddr>, per_process: usize) -> Result<serde_
     });
     if let Some(k) = &mut server {
         let line = k.line()?;
+        // Every rank is through its last barrier (each child said so):
+        // rank 0 may stop serving now, not before (a rank that set its key
+        // may not yet have sent the wait rank 0's last set answers).
+        writeln!(k.stdin, "exit")?;
+        k.stdin.flush()?;
         let v: serde_json::Value =
             serde_json::from_str(line.trim()).context("the server's stats")?;
         if let (Some(o), Some(s)) = (out.as_object_mut(), v.as_object()) {
@@ -274,6 +281,11 @@ fn serve(n: usize, port: usize) -> Result<()> {
             "store_memory_at_barrier_bytes": at_barrier.memory_bytes,
         })
     );
+    std::io::stdout().flush()?;
+    // The store lives until the parent has heard every rank finish.
+    let mut exit = String::new();
+    std::io::stdin().read_line(&mut exit)?;
+    drop(rv);
     Ok(())
 }
 
