@@ -6,8 +6,8 @@
 //! Invariants: a connection with more than [`OUT_HIGH_WATER`] bytes
 //! unwritten reads no more until they drain (it is resumed then), and one
 //! whose replies drain slower than [`MIN_DRAIN_RATE`] is closed at the
-//! write deadline; one
-//! turn of the loop reads at most [`READ_BUDGET`] bytes of a connection;
+//! write deadline; one turn of the loop reads at most [`READ_BUDGET`]
+//! bytes of a connection, which sits in the resume queue at most once;
 //! before its handshake a connection may send only the handshake's
 //! queries; a tail or a reply never holds memory the budget did not
 //! grant; nothing here blocks.

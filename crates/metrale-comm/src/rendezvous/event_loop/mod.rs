@@ -32,9 +32,10 @@
 //!   [`HANDSHAKE_GRACE`] is closed for the new one; a connection past its
 //!   handshake is never evicted.
 //! - One turn of the loop reads at most [`READ_BUDGET`] bytes of each
-//!   connection (one read of the scratch buffer); one with more waiting is resumed the next turn, after
-//!   every other ready connection, accepting and the deadlines, so one
-//!   client sending without pause cannot keep the loop from the others.
+//!   connection (one read of the scratch buffer); one with more waiting
+//!   is resumed the next turn, after every other ready connection,
+//!   accepting and the deadlines, so one client sending without pause
+//!   cannot keep the loop from the others.
 //! - Before its handshake is through a connection may send only the
 //!   handshake's queries (`frame::handshake_query`); anything else closes
 //!   it, so a client without the token makes the store hold nothing but
