@@ -359,37 +359,35 @@ impl Loop {
         self.guarded(slot, |lp| lp.read(slot));
     }
 
+    /// The slot of the oldest connection (by acceptance) for which `pick`
+    /// holds.
+    fn oldest(&self, pick: impl Fn(&Conn) -> bool) -> Option<usize> {
+        self.conns
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| c.as_ref().filter(|c| pick(c)).map(|c| (i, c.accepted)))
+            .min_by_key(|&(_, accepted)| accepted)
+            .map(|(i, _)| i)
+    }
+
     /// Closes the oldest connection being refused that has sent nothing for
     /// [`SILENT_REFUSING`] (a client of ours asks at once, so a silent one
     /// is not listening), making room to tell a new one why; whether there
     /// was one.
     fn drop_silent_refusing(&mut self, now: Instant) -> bool {
-        let victim = self
-            .conns
-            .iter()
-            .enumerate()
-            .filter_map(|(i, c)| c.as_ref().map(|c| (i, c)))
-            .filter(|(_, c)| {
-                matches!(c.stage, Stage::Refusing(_))
-                    && c.last_active == c.accepted
-                    && now.duration_since(c.accepted) >= SILENT_REFUSING
-            })
-            .min_by_key(|(_, c)| c.accepted)
-            .map(|(i, _)| i);
+        let victim = self.oldest(|c| {
+            matches!(c.stage, Stage::Refusing(_))
+                && c.last_active == c.accepted
+                && now.duration_since(c.accepted) >= SILENT_REFUSING
+        });
         victim.inspect(|&i| self.close(i)).is_some()
     }
 
     /// Closes the oldest connection in its handshake for at least the
     /// grace, for a new one; whether there was one.
     fn evict_one(&mut self, now: Instant) -> bool {
-        let victim = self
-            .conns
-            .iter()
-            .enumerate()
-            .filter_map(|(i, c)| c.as_ref().map(|c| (i, c)))
-            .filter(|(_, c)| c.in_handshake() && now.duration_since(c.accepted) >= HANDSHAKE_GRACE)
-            .min_by_key(|(_, c)| c.accepted)
-            .map(|(i, _)| i);
+        let victim =
+            self.oldest(|c| c.in_handshake() && now.duration_since(c.accepted) >= HANDSHAKE_GRACE);
         match victim {
             Some(i) => {
                 tracing::debug!(
