@@ -45,22 +45,33 @@ pub enum FastPathPolicy {
         /// Largest payload taking the fast path.
         max_bytes: usize,
     },
+    /// Where the tuner measured it faster than NCCL's all-reduce on this
+    /// machine, at set-up (up to [`AUTO_FAST_PATH_MAX_BYTES`];
+    /// `NcclBackend::path_table` shows the ranges; docs/operations.md,
+    /// "How the all-reduce path is chosen"). With tuning off, never.
+    Auto,
 }
 
-impl FastPathPolicy {
-    /// The default range, 2-4 MiB: where the measured crossover of the two
-    /// paths put the fast path ahead on 2 GPUs over NVLink
-    /// (docs/decisions/0004-fast-path-by-measured-size.md; the numbers are
-    /// in docs/benchmarks.md).
-    pub const DEFAULT: FastPathPolicy = FastPathPolicy::Range {
-        min_bytes: 2 << 20,
-        max_bytes: 4 << 20,
-    };
+/// The largest payload the tuner considers for the fast path (and the
+/// most scratch it allocates for it): twice the top of the window where it
+/// was measured ahead on 2 GPUs over NVLink (2-4 MiB, decision 0004); above
+/// it NCCL's all-reduce runs near bus bandwidth and the add kernel's extra
+/// pass over memory only loses.
+pub const AUTO_FAST_PATH_MAX_BYTES: usize = 8 << 20;
+/// The largest payload the tuner considers for the one-shot path (its
+/// largest slot: one launch per call).
+pub const AUTO_ONE_SHOT_MAX_BYTES: usize = 1 << 20;
 
-    /// Whether a payload of `bytes` takes the fast path.
+impl FastPathPolicy {
+    /// The default: [`FastPathPolicy::Auto`], tuned on the machine.
+    pub const DEFAULT: FastPathPolicy = FastPathPolicy::Auto;
+
+    /// Whether a payload of `bytes` takes the fast path by this policy
+    /// alone: `false` for [`FastPathPolicy::Auto`], whose choice is the
+    /// backend's tuned table.
     pub fn takes_fast_path(self, bytes: usize) -> bool {
         match self {
-            FastPathPolicy::Never => false,
+            FastPathPolicy::Never | FastPathPolicy::Auto => false,
             FastPathPolicy::Always => true,
             FastPathPolicy::Range {
                 min_bytes,
@@ -77,17 +88,18 @@ impl FastPathPolicy {
             FastPathPolicy::Never => None,
             FastPathPolicy::Always => Some(usize::MAX),
             FastPathPolicy::Range { max_bytes, .. } => Some(max_bytes),
+            FastPathPolicy::Auto => Some(AUTO_FAST_PATH_MAX_BYTES),
         }
     }
 
-    /// Parses `never`, `always`, `auto` (the default) or `MIN-MAX` in bytes
-    /// (suffixes `K`, `M`, `G` for KiB, MiB, GiB).
+    /// Parses `never`, `always`, `auto` (the default: tuned) or `MIN-MAX`
+    /// in bytes (suffixes `K`, `M`, `G` for KiB, MiB, GiB).
     pub fn parse(s: &str) -> Result<Self, CommError> {
         let s = s.trim();
         match s.to_ascii_lowercase().as_str() {
             "never" | "off" | "0" => return Ok(FastPathPolicy::Never),
             "always" => return Ok(FastPathPolicy::Always),
-            "auto" | "default" => return Ok(FastPathPolicy::DEFAULT),
+            "auto" | "default" => return Ok(FastPathPolicy::Auto),
             _ => {}
         }
         let (lo, hi) = s.split_once('-').ok_or_else(|| {
@@ -155,22 +167,23 @@ pub enum OneShotPolicy {
         /// Largest payload taking the one-shot path.
         max_bytes: usize,
     },
+    /// Where the tuner measured it faster than NCCL's all-reduce on this
+    /// machine, eagerly and in graphs apart, at set-up (up to
+    /// [`AUTO_ONE_SHOT_MAX_BYTES`]; `NcclBackend::path_table` shows the
+    /// ranges). With tuning off, never.
+    Auto,
 }
 
 impl OneShotPolicy {
-    /// The default, up to 1 MiB: the tensor-parallel sizes (8 KiB - 1 MiB)
-    /// where a one-shot over NVLink is expected to beat NCCL's all-reduce,
-    /// whose eager cost there is mostly fixed. Not yet measured on GPUs
-    /// (docs/benchmarks.md, "One-shot all-reduce" says how to re-derive it).
-    pub const DEFAULT: OneShotPolicy = OneShotPolicy::Range {
-        min_bytes: 0,
-        max_bytes: 1 << 20,
-    };
+    /// The default: [`OneShotPolicy::Auto`], tuned on the machine.
+    pub const DEFAULT: OneShotPolicy = OneShotPolicy::Auto;
 
-    /// Whether a payload of `bytes` takes the one-shot path.
+    /// Whether a payload of `bytes` takes the one-shot path by this policy
+    /// alone: `false` for [`OneShotPolicy::Auto`], whose choice is the
+    /// backend's tuned table.
     pub fn takes(self, bytes: usize) -> bool {
         match self {
-            OneShotPolicy::Never => false,
+            OneShotPolicy::Never | OneShotPolicy::Auto => false,
             OneShotPolicy::Always => true,
             OneShotPolicy::Range {
                 min_bytes,
@@ -187,17 +200,19 @@ impl OneShotPolicy {
             OneShotPolicy::Never => None,
             OneShotPolicy::Always => Some(usize::MAX),
             OneShotPolicy::Range { max_bytes, .. } => Some(max_bytes),
+            OneShotPolicy::Auto => Some(AUTO_ONE_SHOT_MAX_BYTES),
         }
     }
 
-    /// Parses `never`, `always`, `auto` (the default) or `MIN-MAX` in bytes
-    /// (suffixes `K`, `M`, `G`), as `METRALE_COMM_ONE_SHOT` takes them.
+    /// Parses `never`, `always`, `auto` (the default: tuned) or `MIN-MAX`
+    /// in bytes (suffixes `K`, `M`, `G`), as `METRALE_COMM_ONE_SHOT` takes
+    /// them.
     pub fn parse(s: &str) -> Result<Self, CommError> {
         let s = s.trim();
         match s.to_ascii_lowercase().as_str() {
             "never" | "off" | "0" => return Ok(OneShotPolicy::Never),
             "always" => return Ok(OneShotPolicy::Always),
-            "auto" | "default" => return Ok(OneShotPolicy::DEFAULT),
+            "auto" | "default" => return Ok(OneShotPolicy::Auto),
             _ => {}
         }
         let (lo, hi) = s.split_once('-').ok_or_else(|| {
@@ -230,6 +245,20 @@ impl OneShotPolicy {
             _ => Ok(()),
         }
     }
+}
+
+/// Where the tuner keeps its tables between starts (`METRALE_COMM_TUNE_CACHE`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum TuneCache {
+    /// `$XDG_CACHE_HOME/metrale-comm`, else `$HOME/.cache/metrale-comm`
+    /// (none when neither is set).
+    #[default]
+    Default,
+    /// This directory.
+    Dir(PathBuf),
+    /// No cache: every start times the paths.
+    Off,
 }
 
 /// How the backend's communicator hands work to NCCL. Both modes init with
@@ -312,6 +341,12 @@ pub struct BackendConfig {
     /// The one-shot policy (2 to 8 ranks; `METRALE_COMM_ONE_SHOT`). It is
     /// consulted before the fast path's. Must be the same on every rank.
     pub one_shot: OneShotPolicy,
+    /// Whether the `Auto` policies are tuned at set-up (`METRALE_COMM_TUNE`,
+    /// `on` or `off`); with tuning off they are `Never`: NCCL's all-reduce
+    /// only, unless a policy names a range.
+    pub tune: bool,
+    /// Where tuned tables are kept between starts.
+    pub tune_cache: TuneCache,
     /// Capacity of the fast path's receive buffer; larger payloads go in
     /// chunks of this size. A 2-rank backend whose policy can take the fast
     /// path allocates `min(scratch_bytes, largest fast-path payload)` of
@@ -340,10 +375,10 @@ impl BackendConfig {
             collective_timeout: DEFAULT_COLLECTIVE_TIMEOUT,
             init_timeout: DEFAULT_INIT_TIMEOUT,
             shutdown_timeout: Duration::from_secs(10),
-            fast_path: FastPathPolicy::DEFAULT,
-            // Off until it has run and been measured on GPUs: `auto`
-            // (`OneShotPolicy::DEFAULT`) turns it on.
-            one_shot: OneShotPolicy::Never,
+            fast_path: FastPathPolicy::Auto,
+            one_shot: OneShotPolicy::Auto,
+            tune: true,
+            tune_cache: TuneCache::Default,
             scratch_bytes: 32 << 20,
             flight_recorder_capacity: 4096,
             dump_dir: None,
@@ -388,6 +423,33 @@ impl BackendConfig {
     /// Sets the one-shot policy.
     pub fn with_one_shot(mut self, p: OneShotPolicy) -> Self {
         self.one_shot = p;
+        self
+    }
+
+    /// Turns the tuner on or off (see [`BackendConfig::tune`]).
+    pub fn with_tune(mut self, on: bool) -> Self {
+        self.tune = on;
+        self
+    }
+
+    /// Sets where tuned tables are kept.
+    pub fn with_tune_cache(mut self, cache: TuneCache) -> Self {
+        self.tune_cache = cache;
+        self
+    }
+
+    /// This configuration with the `Auto` policies resolved where tuning
+    /// is off: `Never`, so that nothing is set up for a path the tuner
+    /// will not choose.
+    pub fn with_tuning_resolved(mut self) -> Self {
+        if !self.tune {
+            if self.one_shot == OneShotPolicy::Auto {
+                self.one_shot = OneShotPolicy::Never;
+            }
+            if self.fast_path == FastPathPolicy::Auto {
+                self.fast_path = FastPathPolicy::Never;
+            }
+        }
         self
     }
 
@@ -493,6 +555,24 @@ impl BackendConfig {
         if let Some(p) = get("METRALE_COMM_ONE_SHOT") {
             self.one_shot = OneShotPolicy::parse(&p)?;
         }
+        if let Some(t) = get("METRALE_COMM_TUNE") {
+            self.tune = match t.trim().to_ascii_lowercase().as_str() {
+                "on" | "1" | "auto" => true,
+                "off" | "0" | "never" => false,
+                _ => {
+                    return Err(CommError::Config(format!(
+                        "METRALE_COMM_TUNE=`{t}`: expected on or off"
+                    )));
+                }
+            };
+        }
+        if let Some(c) = get("METRALE_COMM_TUNE_CACHE") {
+            self.tune_cache = match c.trim() {
+                "" => TuneCache::Default,
+                "off" | "none" => TuneCache::Off,
+                dir => TuneCache::Dir(PathBuf::from(dir)),
+            };
+        }
         if let Some(b) = get("METRALE_COMM_SCRATCH_BYTES") {
             self.scratch_bytes = parse_bytes(&b)?;
         }
@@ -540,9 +620,11 @@ mod tests {
             FastPathPolicy::parse("always").unwrap(),
             FastPathPolicy::Always
         );
+        assert_eq!(FastPathPolicy::parse("auto").unwrap(), FastPathPolicy::Auto);
+        assert!(!FastPathPolicy::Auto.takes_fast_path(2 << 20));
         assert_eq!(
-            FastPathPolicy::parse("auto").unwrap(),
-            FastPathPolicy::DEFAULT
+            FastPathPolicy::Auto.max_fast_bytes(),
+            Some(AUTO_FAST_PATH_MAX_BYTES)
         );
         assert_eq!(
             FastPathPolicy::parse("256K-32M").unwrap(),
@@ -563,10 +645,7 @@ mod tests {
             OneShotPolicy::parse("always").unwrap(),
             OneShotPolicy::Always
         );
-        assert_eq!(
-            OneShotPolicy::parse(" Auto ").unwrap(),
-            OneShotPolicy::DEFAULT
-        );
+        assert_eq!(OneShotPolicy::parse(" Auto ").unwrap(), OneShotPolicy::Auto);
         assert_eq!(
             OneShotPolicy::parse("8K-512K").unwrap(),
             OneShotPolicy::Range {
@@ -574,8 +653,11 @@ mod tests {
                 max_bytes: 512 << 10
             }
         );
-        assert!(OneShotPolicy::DEFAULT.takes(2) && OneShotPolicy::DEFAULT.takes(1 << 20));
-        assert!(!OneShotPolicy::DEFAULT.takes((1 << 20) + 2));
+        assert!(!OneShotPolicy::Auto.takes(2), "the tuned table decides");
+        assert_eq!(
+            OneShotPolicy::Auto.max_bytes(),
+            Some(AUTO_ONE_SHOT_MAX_BYTES)
+        );
         for bad in ["1M-1K", "0-1", "fast", "1M"] {
             assert!(OneShotPolicy::parse(bad).is_err(), "{bad}");
         }
@@ -583,7 +665,8 @@ mod tests {
             .with_overrides(|k| (k == "METRALE_COMM_ONE_SHOT").then(|| "never".to_string()))
             .unwrap();
         assert_eq!(c.one_shot, OneShotPolicy::Never);
-        assert_eq!(BackendConfig::new(0).one_shot, OneShotPolicy::Never);
+        assert_eq!(BackendConfig::new(0).one_shot, OneShotPolicy::Auto);
+        assert_eq!(BackendConfig::new(0).fast_path, FastPathPolicy::Auto);
         let r = BackendConfig::new(0)
             .with_overrides(|k| (k == "METRALE_COMM_ONE_SHOT").then(|| "2-1".to_string()));
         assert!(matches!(r, Err(CommError::Config(m)) if m.contains("MIN > MAX")));
@@ -679,5 +762,55 @@ mod tests {
         let built = BackendConfig::new(0).with_scratch_bytes(0).validate();
         assert!(matches!(built, Err(CommError::Config(_))));
         assert!(BackendConfig::new(0).validate().is_ok());
+    }
+}
+
+#[cfg(test)]
+mod tune_tests {
+    use super::*;
+
+    #[test]
+    fn tuning_off_makes_the_auto_policies_never_and_ranges_stay() {
+        let with = |vars: &'static [(&'static str, &'static str)]| {
+            BackendConfig::new(0).with_overrides(move |k| {
+                vars.iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            })
+        };
+        let off = with(&[("METRALE_COMM_TUNE", "off")]).unwrap();
+        assert!(!off.tune);
+        let off = off.with_tuning_resolved();
+        assert_eq!(
+            (off.one_shot, off.fast_path),
+            (OneShotPolicy::Never, FastPathPolicy::Never)
+        );
+        let ranged = with(&[
+            ("METRALE_COMM_TUNE", "off"),
+            ("METRALE_COMM_ONE_SHOT", "0-64K"),
+        ])
+        .unwrap()
+        .with_tuning_resolved();
+        assert_eq!(
+            ranged.one_shot,
+            OneShotPolicy::Range {
+                min_bytes: 0,
+                max_bytes: 64 << 10
+            },
+            "an explicit range wins over the tuner"
+        );
+        let on = BackendConfig::new(0).with_tuning_resolved();
+        assert_eq!(
+            (on.one_shot, on.fast_path),
+            (OneShotPolicy::Auto, FastPathPolicy::Auto)
+        );
+        assert!(matches!(
+            with(&[("METRALE_COMM_TUNE", "maybe")]),
+            Err(CommError::Config(m)) if m.contains("METRALE_COMM_TUNE")
+        ));
+        let c = with(&[("METRALE_COMM_TUNE_CACHE", "/tmp/x")]).unwrap();
+        assert_eq!(c.tune_cache, TuneCache::Dir(PathBuf::from("/tmp/x")));
+        let c = with(&[("METRALE_COMM_TUNE_CACHE", "off")]).unwrap();
+        assert_eq!(c.tune_cache, TuneCache::Off);
     }
 }

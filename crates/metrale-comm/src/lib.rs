@@ -86,10 +86,11 @@ pub mod kernels;
 pub mod local_backend;
 pub mod nccl_backend;
 pub mod rendezvous;
+pub mod timing;
 mod validate;
 
 pub use backend::{AddKernel, CommBackend, Group, Registration, Result, SymmetricAlloc};
-pub use config::{BackendConfig, EnqueueMode, FastPathPolicy, OneShotPolicy};
+pub use config::{BackendConfig, EnqueueMode, FastPathPolicy, OneShotPolicy, TuneCache};
 pub use error::{CommError, Failure, FailureKind, InFlightElsewhere};
 pub use local_backend::LocalBackend;
 pub use nccl_backend::{AllReducePath, NcclBackend};

@@ -108,6 +108,18 @@ pub fn device_info(ordinal: usize) -> Result<DeviceInfo> {
     })
 }
 
+/// The PCI bus id of device `ordinal` (`DDDDDDDD:BB:DD.F`), which names a
+/// device across processes whatever their visible-device lists.
+pub fn pci_bus_id(ordinal: usize) -> Result<String> {
+    let dev = device_handle(ordinal, "pci_bus_id")?;
+    let mut buf = [0 as c_char; 64];
+    // SAFETY: the driver writes at most `len` bytes, NUL included, into `buf`.
+    unsafe { cu!(cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, dev)) }?;
+    buf[buf.len() - 1] = 0;
+    // SAFETY: `buf` is NUL-terminated and outlives the call.
+    Ok(unsafe { c_string(buf.as_ptr()) }.unwrap_or_default())
+}
+
 /// Whether device `a` can access device `b`'s memory directly.
 pub fn can_access_peer(a: usize, b: usize) -> Result<bool> {
     let da = device_handle(a, "can_access_peer")?;

@@ -79,6 +79,7 @@ pub use comm::{
 };
 pub use driver::{
     Context, DeviceInfo, can_access_peer, device_count, device_info, driver_version, init,
+    pci_bus_id,
 };
 pub use error::{
     CudaError, Error, NcclCode, NcclError, Result, cuda_check, nccl_async_check, nccl_check,

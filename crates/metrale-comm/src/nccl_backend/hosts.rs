@@ -42,7 +42,7 @@ pub(super) fn settings_word(settings: &str) -> u64 {
 }
 
 /// FNV-1a over `parts`, never 0 (0 means "not reported" in the exchange).
-fn hash(parts: &[&[u8]]) -> u64 {
+pub(super) fn hash(parts: &[&[u8]]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for &b in parts.iter().flat_map(|p| p.iter()) {
         h ^= u64::from(b);

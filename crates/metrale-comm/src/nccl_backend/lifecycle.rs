@@ -80,7 +80,8 @@ impl Inner {
         }
         self.install(slot, comm, generation);
         self.host_census(slot)?;
-        self.one_shot_setup(slot)
+        self.one_shot_setup(slot)?;
+        self.tune(slot)
     }
 
     /// Makes `comm` this backend's communicator of `generation`.
@@ -134,13 +135,14 @@ impl Inner {
 
     /// What this rank's choice of path depends on besides the world and
     /// the call: every rank must report the same.
-    fn settings(&self, slot: &Slot) -> String {
+    pub(super) fn settings(&self, slot: &Slot) -> String {
         format!(
-            "one-shot {:?}; fast path {:?}; scratch {} bytes; add kernel {}",
+            "one-shot {:?}; fast path {:?}; scratch {} bytes; add kernel {}; tune {}",
             self.config.one_shot,
             self.config.fast_path,
             self.config.scratch_bytes,
-            slot.fast.has_kernel()
+            slot.fast.has_kernel(),
+            self.config.tune
         )
     }
 
@@ -318,6 +320,7 @@ impl NcclBackend {
             child_inner.install(&mut slot, child, 0);
             child_inner.host_census(&mut slot)?;
             child_inner.one_shot_setup(&mut slot)?;
+            child_inner.tune(&mut slot)?;
         }
         NcclBackend::start(child_inner).map(Some)
     }

@@ -77,8 +77,11 @@ mod one_shot;
 mod one_shot_setup;
 mod ops;
 mod path;
+mod path_table;
 mod submission;
 mod submit;
+mod tune;
+mod tune_cache;
 mod watch;
 mod watchdog;
 
@@ -103,6 +106,9 @@ use calls::Calls;
 use fast_path::FastPath;
 pub use hosts::HOST_ID_ENV;
 pub use path::AllReducePath;
+pub use path_table::{
+    LaunchMode, MARGIN_FRACTION, MARGIN_NS, PathRange, PathTable, Rung, TIMED_PATHS,
+};
 use submission::GroupState;
 use watch::Watch;
 
@@ -125,6 +131,8 @@ struct Slot {
     one_shot: one_shot::OneShot,
     /// Every rank's host, learned at connect where a path needs it.
     hosts: Option<hosts::Hosts>,
+    /// The tuned path table of this communicator, where the tuner ran.
+    tuned: Option<path_table::PathTable>,
 }
 
 // SAFETY: the raw streams the one-shot state keeps are only compared and
@@ -327,7 +335,7 @@ impl Inner {
     ) -> Result<Arc<Inner>> {
         // The same precedence whatever the entry point: the code's
         // configuration, then the environment.
-        let config = config.with_env_overrides()?;
+        let config = config.with_env_overrides()?.with_tuning_resolved();
         config.validate()?;
         if world_size == 0 || rank >= world_size {
             return Err(CommError::Config(format!(
@@ -388,6 +396,7 @@ impl Slot {
             group: None,
             one_shot: one_shot::OneShot::new(ctx).map_err(setup("one-shot state"))?,
             hosts: None,
+            tuned: None,
         })
     }
 

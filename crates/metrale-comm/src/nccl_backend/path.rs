@@ -8,10 +8,13 @@
 //!   memory; graph capture allowed), then the fast path (bf16 on 2 ranks
 //!   of one host whose settings agree (`hosts`) with an add kernel, a size
 //!   inside its policy, outside a group, registered or symmetric memory
-//!   and graph capture), then NCCL's all-reduce.
+//!   and graph capture), then NCCL's all-reduce. An `Auto` policy's size
+//!   is inside it where the tuned table (`path_table`, by launch mode:
+//!   eager or captured) gives that path; with no table, nowhere.
 //! - Every input of the choice is the same on every rank, so every rank
 //!   takes one path: the world size, the set-up's agreed verdicts, the
-//!   payload's size and type, and the settings, which the census at every
+//!   payload's size and type, the tuned table (the same on every rank,
+//!   `path_table`), and the settings, which the census at every
 //!   connect compares (ranks whose policies, scratch size or add kernel
 //!   differ get neither peer-memory path, on every rank). Work captured
 //!   into a graph never takes the fast path, whose scratch buffer is
@@ -20,8 +23,10 @@
 
 use nccl_safe::{DataType, ReduceOp};
 
+use super::path_table::{LaunchMode, PathTable};
 use super::submission::{Capture, Target};
 use super::{Inner, NcclBackend, Slot};
+use crate::config::{FastPathPolicy, OneShotPolicy};
 use crate::kernels;
 use crate::validate::Span;
 
@@ -67,6 +72,29 @@ impl NcclBackend {
         self.inner
             .choose_path(&slot, Memory::Ordinary, bytes, dtype, Capture::Eager)
     }
+
+    /// Which path an all-reduce of `dtype` captured into a CUDA graph takes
+    /// for `bytes` in ordinary device memory (the one-shot path or NCCL's;
+    /// never the fast path).
+    pub fn all_reduce_path_captured(
+        &self,
+        dtype: nccl_safe::DataType,
+        bytes: usize,
+    ) -> AllReducePath {
+        let slot = self.inner.slot.lock();
+        self.inner
+            .choose_path(&slot, Memory::Ordinary, bytes, dtype, Capture::Graph)
+    }
+
+    /// The table the tuner decided at the latest set-up (construction,
+    /// reconnect or split): the size ranges each path takes, eagerly and in
+    /// graphs, with the times measured (or read from the cache). `None`
+    /// where nothing was tuned: one rank, ranks on several hosts or with
+    /// settings that differ, tuning off, or no `Auto` policy with a path
+    /// to choose. The `Auto` policies take NCCL's all-reduce then.
+    pub fn path_table(&self) -> Option<PathTable> {
+        self.inner.slot.lock().tuned.clone()
+    }
 }
 
 impl Inner {
@@ -84,14 +112,31 @@ impl Inner {
             Memory::At(p) => !slot.in_registered_memory(p, bytes),
             Memory::Ordinary => true,
         };
+        let mode = match capture {
+            Capture::Eager => LaunchMode::Eager,
+            Capture::Graph => LaunchMode::Graph,
+        };
+        let tuned = |path: AllReducePath| {
+            slot.tuned
+                .as_ref()
+                .is_some_and(|t| t.path(mode, bytes) == path)
+        };
+        let one_shot_takes = match self.config.one_shot {
+            OneShotPolicy::Auto => tuned(AllReducePath::OneShot),
+            policy => policy.takes(bytes),
+        };
         if kernels::one_shot_name(dtype).is_some()
             && slot.one_shot.is_on()
-            && self.config.one_shot.takes(bytes)
+            && one_shot_takes
             && !self.in_group(slot)
             && outside_registered
         {
             return AllReducePath::OneShot;
         }
+        let fast_takes = match self.config.fast_path {
+            FastPathPolicy::Auto => tuned(AllReducePath::FastPath),
+            policy => policy.takes_fast_path(bytes),
+        };
         if self.world_size == 2
             && dtype == DataType::Bfloat16
             && slot
@@ -101,7 +146,7 @@ impl Inner {
             && capture == Capture::Eager
             && !self.in_group(slot)
             && slot.fast.has_kernel()
-            && self.config.fast_path.takes_fast_path(bytes)
+            && fast_takes
             && outside_registered
         {
             AllReducePath::FastPath
@@ -119,7 +164,20 @@ impl Inner {
         target: Target,
     ) -> nccl_safe::Result<()> {
         let memory = Memory::At(span.ptr);
-        match self.choose_path(slot, memory, span.bytes(), span.dtype, target.capture) {
+        let path = self.choose_path(slot, memory, span.bytes(), span.dtype, target.capture);
+        self.enqueue_on(slot, path, span, target)
+    }
+
+    /// Enqueues a sum all-reduce of `span` in place on `path` (the choice's,
+    /// or the tuner's, which times each path), at `target`.
+    pub(super) fn enqueue_on(
+        &self,
+        slot: &mut Slot,
+        path: AllReducePath,
+        span: Span,
+        target: Target,
+    ) -> nccl_safe::Result<()> {
+        match path {
             AllReducePath::FastPath => {
                 let Slot { comm, fast, .. } = slot;
                 let comm = comm
