@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use metrale_comm::rendezvous::{
+use metrale_rendezvous::{
     DEVICE_ENV, Launch, LaunchError, Launcher, RendezvousError, StoreRole,
 };
 

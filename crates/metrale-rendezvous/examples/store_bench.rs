@@ -31,7 +31,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use metrale_comm::rendezvous::{ID_LEN, Rendezvous, TcpRendezvous};
+use metrale_rendezvous::{ID_LEN, Rendezvous, TcpRendezvous};
 
 const T: Duration = Duration::from_secs(300);
 const USAGE: &str = "usage: store-bench run --ranks N [--store HOST:PORT] [--ranks-per-process K]

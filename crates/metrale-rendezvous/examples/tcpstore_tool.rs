@@ -22,7 +22,7 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use metrale_comm::rendezvous::{StoreClient, StoreLimits, StoreServer};
+use metrale_rendezvous::{StoreClient, StoreLimits, StoreServer};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
