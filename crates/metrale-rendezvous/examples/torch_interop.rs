@@ -58,7 +58,10 @@ fn options(args: &[String]) -> anyhow::Result<(String, u16, Duration, Vec<String
     let mut rest = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
-        let mut val = || it.next().with_context(|| format!("usage: {a} needs a value"));
+        let mut val = || {
+            it.next()
+                .with_context(|| format!("usage: {a} needs a value"))
+        };
         match a.as_str() {
             "--bind" => bind = val()?.clone(),
             "--port" => port = val()?.parse().context("--port")?,
@@ -98,7 +101,9 @@ fn serve(bind: &str, port: u16, timeout: Duration) -> anyhow::Result<()> {
     let store = StoreClient::connect(local, None, timeout).context("connecting to our store")?;
     exchange(&store, timeout)?;
     // Serve until the torch side is through with the store.
-    store.wait(&["torch/bye"], timeout).context("waiting for torch/bye")?;
+    store
+        .wait(&["torch/bye"], timeout)
+        .context("waiting for torch/bye")?;
     drop(store);
     server.shutdown();
     Ok(())

@@ -210,10 +210,7 @@ fn a_world_of_1100_ranks_meets_and_the_connection_cap_is_named() -> Result<()> {
         text.contains("METRALE_STORE_MAX_CONNECTIONS") && text.contains(" 8 connections"),
         "{text}"
     );
-    assert!(
-        !text.contains(metrale_rendezvous::TOKEN_ENV),
-        "{text}"
-    );
+    assert!(!text.contains(metrale_rendezvous::TOKEN_ENV), "{text}");
     assert_eq!(refusal_of(&err), Some(StoreLimit::Connections), "{err}");
     for (i, c) in held.iter().enumerate() {
         c.set(&format!("held/{i}"), b"1")?;
