@@ -1,15 +1,17 @@
 //! `cargo xtask store-bundle DIR`: the rendezvous store's checks for a box
 //! with PyTorch (no Rust needed there): PyTorch's TCPStore client against
-//! metrale's server for every query it has, metrale's server beside
+//! metrale's server for every query it has, a Rust process and a PyTorch
+//! process sharing a store both ways round, metrale's server beside
 //! PyTorch's at 1,024, 4,096 and 16,384 ranks, and the multi-rank suite
 //! under real torchrun at world 2 and 4 on the CPU emulator.
 //!
-//! It builds (release) `store-bench`, `comm-suite`, the emulator
-//! (`libgpu_emu.so`, beside `comm-suite`, where the suite looks for it)
-//! and the `tcpstore_tool` example, strips their debug info, and copies
-//! them with the Python scripts (`benches/store/torch_store_bench.py`,
-//! `crates/metrale-comm/tests/fixtures/torch_client_suite.py`), `run.sh`
-//! and `README.txt` into DIR.
+//! It builds (release) metrale-rendezvous's `store_bench` example (as
+//! `store-bench`), `comm-suite`, the emulator (`libgpu_emu.so`, beside
+//! `comm-suite`, where the suite looks for it) and metrale-rendezvous's
+//! `tcpstore_tool` and `torch_interop` examples, strips their debug info,
+//! and copies them with the Python scripts (metrale-rendezvous's
+//! `benches/torch_store_bench.py`, `tests/fixtures/torch_client_suite.py`
+//! and `examples/torch_interop.py`), `run.sh` and `README.txt` into DIR.
 //!
 //! Invariant: `run.sh` exports `NCCL_NVLS_ENABLE=0` and needs no GPU: the
 //! suite runs on the emulator there.
@@ -23,15 +25,16 @@ const HELP: &str = "\
 usage: cargo xtask store-bundle DIR
 
 Builds (release) store-bench, comm-suite with the CPU emulator and the
-tcpstore_tool example, and writes them with the Python scripts, run.sh and
-README.txt to DIR. On a box with torch: ./run.sh OUT (see README.txt).
+tcpstore_tool and torch_interop examples, and writes them with the Python
+scripts, run.sh and README.txt to DIR. On a box with torch: ./run.sh OUT
+(see README.txt).
 ";
 
 /// What cargo builds, and where it lands under target/release.
-const BUILDS: [(&[&str], &str, &str); 4] = [
+const BUILDS: [(&[&str], &str, &str); 5] = [
     (
-        &["-p", "metrale-benches", "--bin", "store-bench"],
-        "store-bench",
+        &["-p", "metrale-rendezvous", "--example", "store_bench"],
+        "examples/store_bench",
         "store-bench",
     ),
     (
@@ -41,16 +44,22 @@ const BUILDS: [(&[&str], &str, &str); 4] = [
     ),
     (&["-p", "gpu-emu"], "libgpu_emu.so", "libgpu_emu.so"),
     (
-        &["-p", "metrale-comm", "--example", "tcpstore_tool"],
+        &["-p", "metrale-rendezvous", "--example", "tcpstore_tool"],
         "examples/tcpstore_tool",
         "tcpstore_tool",
+    ),
+    (
+        &["-p", "metrale-rendezvous", "--example", "torch_interop"],
+        "examples/torch_interop",
+        "torch_interop",
     ),
 ];
 
 /// The scripts the bundle carries, from the workspace root.
-const SCRIPTS: [&str; 2] = [
-    "benches/store/torch_store_bench.py",
-    "crates/metrale-comm/tests/fixtures/torch_client_suite.py",
+const SCRIPTS: [&str; 3] = [
+    "crates/metrale-rendezvous/benches/torch_store_bench.py",
+    "crates/metrale-rendezvous/tests/fixtures/torch_client_suite.py",
+    "crates/metrale-rendezvous/examples/torch_interop.py",
 ];
 
 /// Runs the subcommand.
@@ -133,6 +142,7 @@ fn copy_exe(from: &Path, to: &Path) -> anyhow::Result<()> {
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # The rendezvous store's checks on a box with torch (no GPU needed):
 #   OUT/torch-client-suite.txt  PyTorch's TCPStore client against metrale's server, every query
+#   OUT/torch-interop.txt       a Rust process and a torch process sharing a store, each serving in turn
 #   OUT/store-bench.md          metrale's store beside PyTorch's (libuv) at 1,024, 4,096, 16,384 ranks
 #   OUT/torchrun-world2.txt     the suite under real torchrun, 2 ranks on the CPU emulator
 #   OUT/torchrun-world4.txt     ... 4 ranks
@@ -143,7 +153,7 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-    sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 mkdir -p "$1" && out="$(cd "$1" && pwd)" || exit 2
@@ -179,6 +189,8 @@ step() { # name, command...
 { uname -a; nproc; "$py" -c 'import torch; print("torch", torch.__version__)'; "$TORCHRUN" --help >/dev/null && echo "torchrun: $TORCHRUN"; ulimit -n; } >"$out/machine.txt" 2>&1
 step "torch client suite (torch's client, metrale's server)" \
     "$py" "$here/torch_client_suite.py" "$here/tcpstore_tool" "$out/torch-client-suite.txt"
+step "torch interop (rust serves, torch connects; torch serves, rust connects)" \
+    "$py" "$here/torch_interop.py" "$here/torch_interop" "$out/torch-interop.txt"
 if [ "$bench" = 1 ]; then
     step "store bench (metrale beside torch)" \
         "$py" "$here/torch_store_bench.py" "$here/store-bench" --sizes "$sizes" "${legacy[@]}" --out "$out/store-bench.md"
@@ -195,8 +207,8 @@ exit $status
 "#;
 
 const README: &str = "\
-metrale-comm store bundle
-=========================
+metrale-rendezvous store bundle
+===============================
 
 Run on a box with torch (2.11 was asked for; any 2.x runs) and no Rust:
 
@@ -207,11 +219,16 @@ Run on a box with torch (2.11 was asked for; any 2.x runs) and no Rust:
 1. torch_client_suite.py: PyTorch's TCPStore client against metrale's
    server (tcpstore_tool serve) and against torch's libuv server, every
    query its client has; each answer checked (OUT/torch-client-suite.txt).
-2. torch_store_bench.py: a rendezvous of 1,024, 4,096 and 16,384 ranks
+2. torch_interop.py: a Rust process (torch_interop) and a torch
+   process share one store, first metrale's (torch_interop serve, torch's
+   client connects), then torch's (TCPStore(is_master=True), torch_interop
+   connect): greetings, a barrier, a compare_set race, a message each
+   way through the queues, checked on both sides (OUT/torch-interop.txt).
+3. torch_store_bench.py: a rendezvous of 1,024, 4,096 and 16,384 ranks
    (metrale's TcpRendezvous, threads of store-bench's children) through
    metrale's store and through torch's: time to barrier, the serving
    process's peak RSS, threads and fds (OUT/store-bench.md).
-3. comm-suite under real torchrun --no-python, world 2 and 4, ranks on
+4. comm-suite under real torchrun --no-python, world 2 and 4, ranks on
    the CPU emulator (libgpu_emu.so beside comm-suite)
    (OUT/torchrun-world{2,4}.txt).
 

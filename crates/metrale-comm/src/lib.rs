@@ -85,9 +85,12 @@ mod health;
 pub mod kernels;
 pub mod local_backend;
 pub mod nccl_backend;
-pub mod rendezvous;
 pub mod timing;
 mod validate;
+
+/// The rendezvous: the store server and client, the `Rendezvous` trait and
+/// launcher detection (the `metrale-rendezvous` crate).
+pub use metrale_rendezvous as rendezvous;
 
 pub use backend::{AddKernel, CommBackend, Group, Registration, Result, SymmetricAlloc};
 pub use config::{BackendConfig, EnqueueMode, FastPathPolicy, OneShotPolicy, TuneCache};

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use metrale_comm::rendezvous::{
+use metrale_rendezvous::{
     FileRendezvous, ID_LEN, Launch, Rendezvous, RendezvousError, StoreServer, TcpRendezvous,
     rendezvous_from_url,
 };

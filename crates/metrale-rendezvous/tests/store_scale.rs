@@ -14,7 +14,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use metrale_comm::rendezvous::{ID_LEN, Rendezvous, TcpRendezvous};
+use metrale_rendezvous::{ID_LEN, Rendezvous, TcpRendezvous};
 
 const WORLD: usize = 16384;
 const HELPERS: usize = 4;

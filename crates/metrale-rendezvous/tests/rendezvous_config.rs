@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use metrale_comm::rendezvous::{EnvConfig, RendezvousError, RendezvousSpec, rendezvous_from_url};
+use metrale_rendezvous::{EnvConfig, RendezvousError, RendezvousSpec, rendezvous_from_url};
 
 const T: Duration = Duration::from_secs(10);
 

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use metrale_comm::rendezvous::{
+use metrale_rendezvous::{
     ID_LEN, Rendezvous, RendezvousError, StoreClient, StoreLimit, StoreLimits, StoreServer,
     TcpRendezvous,
 };
@@ -210,10 +210,7 @@ fn a_world_of_1100_ranks_meets_and_the_connection_cap_is_named() -> Result<()> {
         text.contains("METRALE_STORE_MAX_CONNECTIONS") && text.contains(" 8 connections"),
         "{text}"
     );
-    assert!(
-        !text.contains(metrale_comm::rendezvous::TOKEN_ENV),
-        "{text}"
-    );
+    assert!(!text.contains(metrale_rendezvous::TOKEN_ENV), "{text}");
     assert_eq!(refusal_of(&err), Some(StoreLimit::Connections), "{err}");
     for (i, c) in held.iter().enumerate() {
         c.set(&format!("held/{i}"), b"1")?;

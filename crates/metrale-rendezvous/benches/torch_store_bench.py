@@ -4,9 +4,9 @@ beside PyTorch's TCPStore server (libuv; --legacy adds the legacy one).
 
     torch_store_bench.py STORE_BENCH [--sizes 1024,4096,16384] [--legacy] [--out FILE]
 
-STORE_BENCH is the `store-bench` binary (cargo build --release -p
-metrale-benches --bin store-bench, or the store bundle of `cargo xtask
-store-bundle`). For each size it runs, in turn:
+STORE_BENCH is the `store_bench` example (cargo build --release -p
+metrale-rendezvous --example store_bench; the store bundle of `cargo xtask
+store-bundle` carries it as `store-bench`). For each size it runs, in turn:
 - metrale: `store-bench run --ranks N` (rank 0 serves metrale's store in
   a process that measures itself);
 - torch-libuv: a child Python process serving

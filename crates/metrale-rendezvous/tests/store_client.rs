@@ -14,9 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
-use metrale_comm::rendezvous::{
-    FileRendezvous, Rendezvous, RendezvousError, StoreClient, StoreServer,
-};
+use metrale_rendezvous::{FileRendezvous, Rendezvous, RendezvousError, StoreClient, StoreServer};
 use rand::Rng;
 
 const T: Duration = Duration::from_secs(10);

@@ -7,7 +7,7 @@
 //!     one measurement; prints one JSON line. Without --store, rank 0 serves
 //!     metrale's store (a child process, measured); with --store HOST:PORT,
 //!     every rank (rank 0 too) is a client of that store (PyTorch's, say:
-//!     benches/store/torch_store_bench.py starts one and measures it).
+//!     benches/torch_store_bench.py starts one and measures it).
 //! store-bench table --sizes 1024,4096,16384
 //!     `run` at each size, then a markdown table.
 //! ```
@@ -22,6 +22,10 @@
 //! and each reports its ranks' latest time past the first barrier from
 //! its release. The serving process samples its threads and descriptors
 //! every 50 ms and reads its peak RSS (`VmHWM`) at the end.
+//!
+//! Build: `cargo build --release -p metrale-rendezvous --example store_bench`
+//! (the store bundle of `cargo xtask store-bundle` carries it as
+//! `store-bench`).
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener};
@@ -31,7 +35,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use metrale_comm::rendezvous::{ID_LEN, Rendezvous, TcpRendezvous};
+use metrale_rendezvous::{ID_LEN, Rendezvous, TcpRendezvous};
 
 const T: Duration = Duration::from_secs(300);
 const USAGE: &str = "usage: store-bench run --ranks N [--store HOST:PORT] [--ranks-per-process K]

@@ -5,9 +5,7 @@
 
 use std::collections::HashMap;
 
-use metrale_comm::rendezvous::{
-    DEVICE_ENV, Launch, LaunchError, Launcher, RendezvousError, StoreRole,
-};
+use metrale_rendezvous::{DEVICE_ENV, Launch, LaunchError, Launcher, RendezvousError, StoreRole};
 
 fn launch(vars: &[(&str, &str)]) -> Result<Launch, RendezvousError> {
     let map: HashMap<String, String> = vars

@@ -18,7 +18,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use metrale_comm::rendezvous::{
+use metrale_rendezvous::{
     Rendezvous, RendezvousError, StoreClient, StoreLimit, StoreLimits, StoreServer, StoreStats,
     TcpRendezvous,
 };

@@ -1,12 +1,114 @@
-//! How ranks agree on NCCL unique ids and meet at barriers.
+//! How ranks meet: a PyTorch-compatible c10d TCPStore server and client,
+//! the [`Rendezvous`] trait with its TCP, file and fixed-id
+//! implementations, and the reading of a launcher's variables (torchrun,
+//! Slurm, MPI, Kubeflow). No CUDA and no NCCL: a unique id is plain
+//! `[u8; 128]` bytes, and any Rust program can use the store, beside a
+//! PyTorch job or without one.
 //!
-//! Nothing here touches NCCL: ids are plain `[u8; 128]`. Two transports:
-//! [`TcpRendezvous`] over a c10d TCPStore (PyTorch's store protocol: a
-//! launcher's store such as torchrun's agent's, or a [`StoreServer`] that
-//! rank 0 serves; every rank talks to it through a [`StoreClient`]) and
-//! [`FileRendezvous`] (a directory shared by the ranks of one machine).
-//! [`Launch`] reads which launcher started the process; [`rendezvous_from_url`]
-//! picks a transport from `env://`, `file:///dir` or `tcp://host:port`.
+//! [`StoreServer`] serves the store from one thread (an event loop on
+//! mio), bounded by [`StoreLimits`]; PyTorch's
+//! `torch.distributed.TCPStore(host, port, is_master=False)` (2.4 to 2.11)
+//! is a client of it unchanged. [`StoreClient`] speaks the same protocol to
+//! our server or to PyTorch's (libuv or legacy). [`TcpRendezvous`] builds
+//! unique-id exchange and barriers over a store; [`FileRendezvous`] over
+//! a directory shared by the ranks of one machine; [`FixedIdRendezvous`]
+//! takes an id given out of band. [`Launch`] reads which launcher started
+//! the process; [`rendezvous_from_url`] picks a transport from `env://`,
+//! `file:///dir` or `tcp://host:port`. The crate's README has the store's
+//! protocol coverage, its limits (and their `METRALE_STORE_*` variables)
+//! and the token.
+//!
+//! # Serving a store, and a client's queries
+//!
+//! ```
+//! use std::time::Duration;
+//! use metrale_rendezvous::{StoreClient, StoreServer};
+//!
+//! # fn main() -> Result<(), metrale_rendezvous::RendezvousError> {
+//! // Port 0 picks a free port; no token: PyTorch's clients are welcome.
+//! let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), None)?;
+//! let addr = server.local_addr();
+//! let t = Duration::from_secs(10);
+//! // `connect` retries until `t`: the server may start later.
+//! let store = StoreClient::connect(addr, None, t)?;
+//! store.set("model/step", b"42")?;
+//! assert_eq!(store.get("model/step", t)?, b"42"); // waits up to t for the key
+//! assert_eq!(store.add("counter", 5)?, 5);
+//! assert_eq!(store.add("counter", -2)?, 3);
+//! store.wait(&["model/step", "counter"], t)?;
+//! assert!(!store.check(&["absent"])?);
+//! // compare_set: sets when the key holds `expected` (absent: empty).
+//! assert_eq!(store.compare_set("leader", b"", b"me")?, b"me");
+//! assert_eq!(store.compare_set("leader", b"", b"you")?, b"me");
+//! // Queues: FIFO per key; a pop may wait for a push.
+//! store.queue_push("jobs", b"first")?;
+//! store.queue_push("jobs", b"second")?;
+//! assert_eq!(store.queue_len("jobs")?, 2);
+//! assert_eq!(store.queue_pop("jobs", None)?.as_deref(), Some(&b"first"[..]));
+//! assert_eq!(store.queue_pop("jobs", Some(t))?.as_deref(), Some(&b"second"[..]));
+//! assert_eq!(store.queue_pop("jobs", None)?, None);
+//! drop(store);
+//! server.shutdown();
+//! # Ok(()) }
+//! ```
+//!
+//! # A barrier
+//!
+//! Each rank is a [`TcpRendezvous`]; here every rank is a client of a store
+//! served apart (as a launcher's is). [`TcpRendezvous::new`] makes rank 0
+//! serve it instead.
+//!
+//! ```
+//! use std::time::Duration;
+//! use metrale_rendezvous::{Rendezvous, StoreServer, TcpRendezvous};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! let server = StoreServer::bind("127.0.0.1:0".parse()?, None)?;
+//! let addr = server.local_addr();
+//! let t = Duration::from_secs(10);
+//! let ranks: Vec<_> = (0..3)
+//!     .map(|rank| {
+//!         std::thread::spawn(move || {
+//!             let rv = TcpRendezvous::connect(rank, 3, addr, None, "job-7/", t)?;
+//!             rv.barrier("start", t)?; // every rank arrives before any returns
+//!             // Rank 0 makes an id (any 128 bytes); every rank gets it.
+//!             rv.exchange_id(0, &mut || Ok([7u8; 128]), t)
+//!         })
+//!     })
+//!     .collect();
+//! for rank in ranks {
+//!     assert_eq!(rank.join().unwrap()?, [7u8; 128]);
+//! }
+//! server.shutdown();
+//! # Ok(()) }
+//! ```
+//!
+//! # Reading a launcher's variables
+//!
+//! [`Launch::from_env`] reads the process environment;
+//! [`Launch::from_lookup`] any lookup, here torchrun's variables:
+//!
+//! ```
+//! use std::collections::HashMap;
+//! use metrale_rendezvous::{Launch, Launcher, StoreRole};
+//!
+//! # fn main() -> Result<(), metrale_rendezvous::RendezvousError> {
+//! let env: HashMap<&str, &str> = HashMap::from([
+//!     ("RANK", "5"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "1"),
+//!     ("LOCAL_WORLD_SIZE", "4"), ("MASTER_ADDR", "node0"), ("MASTER_PORT", "29500"),
+//!     ("TORCHELASTIC_RUN_ID", "job-42"), ("TORCHELASTIC_RESTART_COUNT", "0"),
+//!     ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+//! ]);
+//! let launch = Launch::from_lookup(|v| env.get(v).map(|s| s.to_string()))?;
+//! assert_eq!(launch.launcher, Launcher::Torchrun);
+//! assert_eq!((launch.rank, launch.world_size, launch.device), (5, 8, 1));
+//! assert_eq!(launch.store, StoreRole::Launcher); // torchrun's agent serves it
+//! assert_eq!(launch.namespace, "metrale/job-42/attempt_0/");
+//! # Ok(()) }
+//! ```
+//!
+//! A PyTorch process and a Rust one sharing a store, either side serving:
+//! `examples/torch_interop.rs` and its driver `examples/torch_interop.py`.
 //!
 //! Invariants: keys are namespaced (`metrale/`, under torchrun
 //! `metrale/{run id}/attempt_{restart}/`); the id of generation `g` lives

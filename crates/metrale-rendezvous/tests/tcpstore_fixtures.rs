@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
-use metrale_comm::rendezvous::{RendezvousError, StoreClient, StoreServer};
+use metrale_rendezvous::{RendezvousError, StoreClient, StoreServer};
 
 /// The operations, in order; keep equal to `ops()` in capture_tcpstore.py.
 const OPS: &[&str] = &[

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use metrale_comm::rendezvous::{RendezvousError, StoreClient, StoreLimits, StoreServer};
+use metrale_rendezvous::{RendezvousError, StoreClient, StoreLimits, StoreServer};
 use rand::Rng;
 
 const T: Duration = Duration::from_secs(10);

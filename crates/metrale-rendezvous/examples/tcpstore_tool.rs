@@ -1,6 +1,6 @@
 //! A command-line face of the crate's c10d TCPStore server and client, for
 //! checking them against PyTorch's (`tests/fixtures/capture_tcpstore.py
-//! interop`, `tests/fixtures/gpu_box.sh`).
+//! interop`, metrale-comm's `tests/fixtures/gpu_box.sh`).
 //!
 //! ```text
 //! tcpstore_tool serve [--bind ADDR] [--port P] [--token T] [--seconds N] [--world N]
@@ -14,7 +14,7 @@
 //!     prints one line per OP (values as UTF-8, lists joined by ",")
 //! ```
 //!
-//! Build: `cargo build --release -p metrale-comm --example tcpstore_tool`.
+//! Build: `cargo build --release -p metrale-rendezvous --example tcpstore_tool`.
 //! Exits 0 on success, 1 on a store error, 2 on bad usage.
 
 use std::io::{BufRead, Write};
@@ -22,7 +22,7 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use metrale_comm::rendezvous::{StoreClient, StoreLimits, StoreServer};
+use metrale_rendezvous::{StoreClient, StoreLimits, StoreServer};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
