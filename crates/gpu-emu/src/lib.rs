@@ -164,6 +164,7 @@
 
 #[cfg(test)]
 mod abi;
+mod cost;
 mod cuda;
 mod fault;
 mod kernels;
