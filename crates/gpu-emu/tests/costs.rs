@@ -3,8 +3,9 @@
 //! its cost in emulated time: eager all-reduces on each rank (K launches,
 //! K times the cost), a replayed graph of all-reduces its graph-mode cost,
 //! per-rank entries over every rank's, a one-shot kernel, grouped sends, a
-//! cross-stream wait that takes the later clock; clearing the costs gives
-//! host-clock timings again. Results are checked against host references.
+//! cross-stream wait that takes the later clock, none for an operation an
+//! abort ends unrun; clearing the costs gives host-clock timings again.
+//! Results are checked against host references.
 //!
 //! The model is process-wide: the tests take one lock and clear the costs
 //! on entry and exit.
@@ -494,6 +495,38 @@ fn clearing_the_costs_restores_host_clock_timing() {
         destroy_event(e);
     }
     nck(destroy(comm));
+    destroy_stream(s);
+    free(send);
+    free(recv);
+}
+
+#[test]
+fn an_operation_ended_unrun_by_an_abort_charges_nothing() {
+    let _s = serial();
+    const N: usize = 256;
+    set_cost(-1, ALL_REDUCE, ANY, 1_000_000, 0);
+    set_device(2);
+    let comm = init(1, unique_id(), 0);
+    let (send, recv) = (alloc(4 * N), alloc(4 * N));
+    upload(send, &random_f32(N));
+    poison(recv, 4 * N);
+    let s = stream();
+    let (a, b) = (event(), event());
+    // The rank's next operation hangs until the abort ends it unrun.
+    assert_eq!(inject(0, 1, 1), 0);
+    record(a, s);
+    all_reduce(send, recv, N, comm, s);
+    record(b, s);
+    nck(abort(comm));
+    sync_within(s, std::time::Duration::from_secs(5));
+    assert_ns(elapsed(a, b), 0, "an aborted all-reduce");
+    assert!(
+        download::<u32>(recv, N).iter().all(|&w| w == 0x7f7f_7f7f),
+        "nothing was written"
+    );
+    reset();
+    destroy_event(a);
+    destroy_event(b);
     destroy_stream(s);
     free(send);
     free(recv);
