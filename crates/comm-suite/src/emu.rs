@@ -34,9 +34,94 @@ pub enum Fault {
     Stalls = 6,
 }
 
+/// Environment variable with the emulator's costs, read by each process
+/// on first use (for ranks in processes); [`costs_env`] builds its value.
+pub const COSTS_ENV: &str = "METRALE_EMU_COSTS";
+
+/// The operations the emulator can be told the cost of
+/// (`metrale_emu_set_cost`'s `op`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CostOp {
+    /// `ncclAllReduce`.
+    AllReduce = 1,
+    /// A one-shot all-reduce kernel, of any element type (the rank is its
+    /// control block's).
+    OneShot = 2,
+    /// `ncclSend` (the fast path's grouped send/recv: charged once per
+    /// send, by the bytes sent).
+    Send = 3,
+}
+
+impl CostOp {
+    fn name(self) -> &'static str {
+        match self {
+            CostOp::AllReduce => "allreduce",
+            CostOp::OneShot => "oneshot",
+            CostOp::Send => "send",
+        }
+    }
+}
+
+/// Which launches a cost applies to (`metrale_emu_set_cost`'s `mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CostMode {
+    /// Every launch.
+    Any = 0,
+    /// Eager launches only.
+    Eager = 1,
+    /// Graph replays only (work run by `cuGraphLaunch`).
+    Graph = 2,
+}
+
+impl CostMode {
+    fn name(self) -> &'static str {
+        match self {
+            CostMode::Any => "*",
+            CostMode::Eager => "eager",
+            CostMode::Graph => "graph",
+        }
+    }
+}
+
+/// One cost entry: `op` of `bytes` run by `rank` (`None`: every rank) in
+/// `mode` takes `base_ns + ns_per_kib * bytes / 1024` ns of emulated time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cost {
+    /// A communicator rank, or `None` for every rank.
+    pub rank: Option<usize>,
+    /// The operation.
+    pub op: CostOp,
+    /// The launches it applies to.
+    pub mode: CostMode,
+    /// Nanoseconds of every launch.
+    pub base_ns: u64,
+    /// Nanoseconds per KiB of the operation's bytes.
+    pub ns_per_kib: u64,
+}
+
+/// The value of [`COSTS_ENV`] that sets `costs` in a process, in order (a
+/// later entry for the same rank, op and mode replaces the earlier).
+pub fn costs_env(costs: &[Cost]) -> String {
+    costs
+        .iter()
+        .map(|c| {
+            let rank = c.rank.map_or_else(|| "*".to_string(), |r| r.to_string());
+            format!(
+                "{rank}:{}:{}={}+{}",
+                c.op.name(),
+                c.mode.name(),
+                c.base_ns,
+                c.ns_per_kib
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(";")
+}
+
 type InjectFn = unsafe extern "C" fn(i32, i32, u64) -> i32;
 type ResetFn = unsafe extern "C" fn();
 type CallsFn = unsafe extern "C" fn() -> u64;
+type SetCostFn = unsafe extern "C" fn(i32, i32, i32, u64, u64) -> i32;
 
 /// The emulator's control functions.
 #[derive(Debug)]
@@ -47,6 +132,8 @@ pub struct EmuControl {
     calls: CallsFn,
     ipc_open: CallsFn,
     ipc_violations: CallsFn,
+    set_cost: SetCostFn,
+    clear_costs: ResetFn,
     _lib: libloading::Library,
 }
 
@@ -114,7 +201,7 @@ impl EmuControl {
         // (docs/architecture.md, "Emulator control"); the function pointers
         // stay valid because the library is kept in the returned value and
         // that value lives in a static.
-        let (inject, reset, calls, ipc_open, ipc_violations) = unsafe {
+        let (inject, reset, calls, ipc_open, ipc_violations, set_cost, clear_costs) = unsafe {
             let inject: InjectFn = *lib
                 .get::<InjectFn>(b"metrale_emu_inject\0")
                 .map_err(|e| format!("metrale_emu_inject: {e}"))?;
@@ -130,7 +217,21 @@ impl EmuControl {
             let ipc_violations: CallsFn = *lib
                 .get::<CallsFn>(b"metrale_emu_ipc_violations\0")
                 .map_err(|e| format!("metrale_emu_ipc_violations: {e}"))?;
-            (inject, reset, calls, ipc_open, ipc_violations)
+            let set_cost: SetCostFn = *lib
+                .get::<SetCostFn>(b"metrale_emu_set_cost\0")
+                .map_err(|e| format!("metrale_emu_set_cost: {e}"))?;
+            let clear_costs: ResetFn = *lib
+                .get::<ResetFn>(b"metrale_emu_clear_costs\0")
+                .map_err(|e| format!("metrale_emu_clear_costs: {e}"))?;
+            (
+                inject,
+                reset,
+                calls,
+                ipc_open,
+                ipc_violations,
+                set_cost,
+                clear_costs,
+            )
         };
         Ok(EmuControl {
             path: path.to_path_buf(),
@@ -139,6 +240,8 @@ impl EmuControl {
             calls,
             ipc_open,
             ipc_violations,
+            set_cost,
+            clear_costs,
             _lib: lib,
         })
     }
@@ -166,6 +269,45 @@ impl EmuControl {
         unsafe { (self.reset)() }
     }
 
+    /// Sets how long `op` takes in emulated time for `rank` (`None`: every
+    /// rank) in `mode`: `base_ns + ns_per_kib * bytes / 1024` ns. While a
+    /// cost is set, events are timed on the streams' virtual clocks
+    /// (`crates/gpu-emu/src/cost.rs`). Acts on this process's ranks.
+    pub fn set_cost(
+        &self,
+        rank: Option<usize>,
+        op: CostOp,
+        mode: CostMode,
+        base_ns: u64,
+        ns_per_kib: u64,
+    ) -> anyhow::Result<()> {
+        let r = match rank {
+            None => -1,
+            Some(r) => i32::try_from(r).map_err(|_| anyhow::anyhow!("rank {r} out of range"))?,
+        };
+        // SAFETY: the function takes plain integers and touches no caller memory.
+        let rc = unsafe { (self.set_cost)(r, op as i32, mode as i32, base_ns, ns_per_kib) };
+        anyhow::ensure!(
+            rc == 0,
+            "metrale_emu_set_cost({r}, {op:?}, {mode:?}, {base_ns}, {ns_per_kib}) = {rc}"
+        );
+        Ok(())
+    }
+
+    /// Sets every cost of `costs`, in order.
+    pub fn set_costs(&self, costs: &[Cost]) -> anyhow::Result<()> {
+        for c in costs {
+            self.set_cost(c.rank, c.op, c.mode, c.base_ns, c.ns_per_kib)?;
+        }
+        Ok(())
+    }
+
+    /// Clears every cost: events are timed with host clocks again.
+    pub fn clear_costs(&self) {
+        // SAFETY: the function takes no arguments.
+        unsafe { (self.clear_costs)() }
+    }
+
     /// NCCL API calls made so far in the process.
     pub fn nccl_calls(&self) -> u64 {
         // SAFETY: the function takes no arguments.
@@ -185,5 +327,42 @@ impl EmuControl {
     pub fn ipc_violations(&self) -> u64 {
         // SAFETY: the function takes no arguments.
         unsafe { (self.ipc_violations)() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn costs_env_names_every_field() {
+        let costs = [
+            Cost {
+                rank: None,
+                op: CostOp::AllReduce,
+                mode: CostMode::Any,
+                base_ns: 1000,
+                ns_per_kib: 20,
+            },
+            Cost {
+                rank: Some(3),
+                op: CostOp::OneShot,
+                mode: CostMode::Graph,
+                base_ns: 5,
+                ns_per_kib: 0,
+            },
+            Cost {
+                rank: Some(0),
+                op: CostOp::Send,
+                mode: CostMode::Eager,
+                base_ns: 7,
+                ns_per_kib: 1,
+            },
+        ];
+        assert_eq!(
+            costs_env(&costs),
+            "*:allreduce:*=1000+20;3:oneshot:graph=5+0;0:send:eager=7+1"
+        );
+        assert_eq!(costs_env(&[]), "");
     }
 }

@@ -31,7 +31,8 @@
 //! - **Streams**: each created stream is an in-order queue drained by its own
 //!   worker thread, so work is asynchronous: `cuStreamQuery` says
 //!   `CUDA_ERROR_NOT_READY` while work is pending. Events are markers in the
-//!   queue, timed with host clocks. Stream capture records work instead of
+//!   queue, timed with host clocks (or with the streams' virtual clocks
+//!   while a cost is set: see Control API). Stream capture records work instead of
 //!   running it; a graph launch enqueues a fresh execution of the recorded
 //!   work (a captured collective is a new collective on every replay).
 //! - **Kernels**: `cuModuleLoadData` reads the `.entry` names of PTX text;
@@ -127,6 +128,27 @@
 //! `METRALE_EMU_FAULTS="RANK:KIND@N;..."` (KIND one of `hang`, `async`,
 //! `initfail`, `nojoin`, `die`, `stall`) is read on first use.
 //!
+//! Emulated time (`cost`): `metrale_emu_set_cost(rank, op, mode, base_ns,
+//! ns_per_kib) -> int` (rank a communicator rank, or -1 for every rank; op
+//! 1 `ncclAllReduce`, 2 a one-shot all-reduce kernel (its control block's
+//! rank), 3 `ncclSend`; mode 0 any launch, 1 eager only, 2 graph replays
+//! only; 0, or -1 on a bad argument) says an operation of `bytes` takes
+//! `base_ns + ns_per_kib * bytes / 1024` ns (rounded down); a later entry
+//! for one `(rank, op, mode)` replaces the earlier, a rank's entry wins
+//! over every rank's, then a mode's over any mode's.
+//! `metrale_emu_clear_costs()` clears them all.
+//! `METRALE_EMU_COSTS="RANK:OP:MODE=BASE_NS+NS_PER_KIB;..."` (RANK a
+//! number or `*`, OP `allreduce`, `oneshot` or `send`, MODE `eager`,
+//! `graph` or `*`; a malformed entry is ignored with a warning) is read on
+//! first use. While a cost is set, every stream has a virtual clock (ns,
+//! from 0): an operation run to completion on it advances it by its cost
+//! (none without an entry, or when it fails or ends unrun), an event
+//! record stamps the event with it, `cuStreamWaitEvent` moves the waiting
+//! stream's clock up to the event's stamp, and `cuEventElapsedTime_v2` of
+//! two events stamped under one model (no clear between) is the
+//! difference of their stamps; with no cost set, events are timed with
+//! host clocks.
+//!
 //! # Layout
 //! Laid out like what it emulates; each module's doc gives its own layout:
 //! - `cuda/`: the CUDA driver API (`driver`, `stream`, `event`, `graph`,
@@ -136,8 +158,9 @@
 //! - `nccl/`: NCCL's API, communicators and groups over two transports,
 //!   `world` (ranks in this process) and `net/` (ranks in several
 //!   processes) beneath them;
-//! - `fault`: fault injection and its control functions; `abi` (tests
-//!   only): every export has the signature the bindings expect.
+//! - `fault`: fault injection and its control functions; `cost`: the cost
+//!   model, the streams' virtual clocks and their control functions; `abi`
+//!   (tests only): every export has the signature the bindings expect.
 //!
 //! This file holds only what every module shares (handle ids and tables,
 //! the panic guard, out-parameters) and uses no module of its own. No
@@ -148,7 +171,7 @@
 //! Each module doc states the order of its locks; across modules:
 //! `nccl`'s locks come before `cuda`'s (an operation's world or mesh state,
 //! then the memory registry), and the memory registry is the innermost
-//! lock of the crate. A [`Table`]'s lock is a leaf.
+//! lock of the crate. A [`Table`]'s lock and the cost model's are leaves.
 //!
 //! # Invariants
 //! - No panic crosses the C boundary: every exported body runs under
@@ -164,6 +187,7 @@
 
 #[cfg(test)]
 mod abi;
+mod cost;
 mod cuda;
 mod fault;
 mod kernels;

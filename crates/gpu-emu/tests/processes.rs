@@ -6,7 +6,9 @@
 //! processes, a peer killed in the middle of a collective (the survivor's
 //! work ends with `ncclRemoteError`), a peer that destroyed its
 //! communicator (the survivor blocks until it aborts), a fault named by
-//! rank in `METRALE_EMU_FAULTS` acting in that rank's process, an id
+//! rank in `METRALE_EMU_FAULTS` acting in that rank's process, a cost
+//! named by rank in `METRALE_EMU_COSTS` timing that rank's all-reduce in
+//! its process (`costs.rs` has the cost model in process), an id
 //! whose root process is gone (init fails at once). CUDA IPC between
 //! processes is `ipc.rs`.
 //!
@@ -479,6 +481,28 @@ fn child() {
             );
             nck(abort(comm));
         }
+        "costs_env" => {
+            // METRALE_EMU_COSTS names this rank: its all-reduce takes
+            // 123.456 us between two events, eagerly.
+            set_device(rank as i32);
+            let comm = init(n as i32, id, rank as i32);
+            let s = stream();
+            let (mut a, mut b) = (std::ptr::null_mut(), std::ptr::null_mut());
+            let mut ms = f32::NAN;
+            // SAFETY: valid out-parameters and handles made here.
+            unsafe {
+                let c = cuda();
+                ck(cuda_sys::call!(c, cuEventCreate(&mut a, 0)).unwrap());
+                ck(cuda_sys::call!(c, cuEventCreate(&mut b, 0)).unwrap());
+                ck(cuda_sys::call!(c, cuEventRecord(a, s)).unwrap());
+                one_all_reduce(comm, s, rank, seed);
+                ck(cuda_sys::call!(c, cuEventRecord(b, s)).unwrap());
+                ck(cuda_sys::call!(c, cuEventSynchronize(b)).unwrap());
+                ck(cuda_sys::call!(c, cuEventElapsedTime_v2(&mut ms, a, b)).unwrap());
+            }
+            assert!((ms - 0.123_456).abs() < 1e-7, "{ms} ms");
+            nck(destroy(comm));
+        }
         "make_id" => {
             cuda();
             println!("ID={}", id_hex(&unique_id()));
@@ -587,6 +611,24 @@ fn faults_by_rank_from_the_environment_act_in_the_rank_process() {
         "rank 0 has no fault"
     );
     nck(abort(comm));
+    destroy_stream(s);
+}
+
+#[test]
+fn costs_by_rank_from_the_environment_act_in_the_rank_process() {
+    set_device(0);
+    let id = unique_id();
+    let seed: u64 = rand::random();
+    let costs = [(
+        "METRALE_EMU_COSTS",
+        "1:allreduce:eager=123456+0; *:allreduce:graph=1+0; 0:oneshot:*=5+5; junk",
+    )];
+    let mut kid = spawn_with("costs_env", 1, 2, &id, seed, &costs);
+    let comm = init(2, id, 0);
+    let s = stream();
+    one_all_reduce(comm, s, 0, seed);
+    wait_ok(&mut kid, Duration::from_secs(30));
+    nck(destroy(comm));
     destroy_stream(s);
 }
 

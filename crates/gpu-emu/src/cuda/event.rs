@@ -1,6 +1,10 @@
 //! Events: markers in a stream's queue, completed (and timed, with the
 //! host's clock) when the stream reaches them; `cuStreamWaitEvent` makes a
-//! stream wait for one.
+//! stream wait for one. While the cost model is active (`cost`) a marker
+//! also stamps the event with its stream's virtual clock, a wait moves the
+//! waiting stream's clock up to the event's stamp (a marker is enqueued
+//! for it even when the event is complete), and the elapsed time of two
+//! events stamped under one model is the difference of their stamps.
 //!
 //! Invariants: each record is a new generation of the event, and the event
 //! is complete once its latest record's marker has run (an event never
@@ -24,7 +28,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::driver::{self, check_init, code, current_device};
 use super::stream::{Launcher, TICK, resolve, submit};
-use crate::{Table, guard, id_to_ptr, ptr_to_id, put};
+use crate::{Table, cost, guard, id_to_ptr, ptr_to_id, put};
 
 struct EventState {
     /// Generation of the latest record.
@@ -34,6 +38,9 @@ struct EventState {
     /// Highest generation whose marker has run.
     done: u64,
     time: Option<Instant>,
+    /// The virtual clock at the latest completed record, taken while the
+    /// cost model was active.
+    stamp: Option<cost::Stamp>,
 }
 
 /// An emulated event.
@@ -44,13 +51,18 @@ struct Event {
 }
 
 impl Event {
-    fn complete(&self, generation: u64) {
+    fn complete(&self, generation: u64, stamp: Option<cost::Stamp>) {
         let mut st = self.st.lock();
         if generation > st.done {
             st.done = generation;
             st.time = Some(Instant::now());
+            st.stamp = stamp;
         }
         self.cv.notify_all();
+    }
+
+    fn stamp(&self) -> Option<cost::Stamp> {
+        self.st.lock().stamp
     }
 
     fn wait(&self, generation: u64) {
@@ -90,6 +102,7 @@ pub unsafe extern "C" fn cuEventCreate(ph: *mut CUevent, flags: c_uint) -> CUres
                     device: None,
                     done: 0,
                     time: None,
+                    stamp: None,
                 }),
                 cv: Condvar::new(),
             }));
@@ -128,7 +141,7 @@ fn record_launcher(ev: Arc<Event>, device: i32) -> Launcher {
             st.recorded
         };
         let ev = ev.clone();
-        Box::new(move || ev.complete(generation))
+        Box::new(move || ev.complete(generation, cost::stamp()))
     })
 }
 
@@ -206,8 +219,9 @@ pub extern "C" fn cuEventSynchronize(h: CUevent) -> CUresult {
     })
 }
 
-/// `cuEventElapsedTime_v2`: milliseconds between the two markers' host
-/// times.
+/// `cuEventElapsedTime_v2`: milliseconds between the two markers: the
+/// difference of their virtual stamps when both carry stamps taken under
+/// one cost model (no clear between them), else of their host times.
 ///
 /// # Safety
 /// `ms` is null or valid for a write.
@@ -238,6 +252,11 @@ pub unsafe extern "C" fn cuEventElapsedTime_v2(
                 }
             };
             let (ta, tb) = (time(&a)?, time(&b)?);
+            if let Some(v) = cost::elapsed_ms(a.stamp(), b.stamp()) {
+                // SAFETY: `ms` is non-null and valid (this function's contract).
+                unsafe { put(ms, v) };
+                return Ok(());
+            }
             let v = if tb >= ta {
                 tb.duration_since(ta).as_secs_f64() * 1e3
             } else {
@@ -257,7 +276,9 @@ pub unsafe extern "C" fn cuEventElapsedTime_v2(
 /// way NCCL orders captured work after earlier launches); any other wait
 /// there on an event not yet complete is
 /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` (cross-stream capture is not
-/// emulated).
+/// emulated). While the cost model is active, the wait (even for a
+/// complete event) moves the stream's virtual clock up to the event's
+/// stamp when it runs.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuStreamWaitEvent(s: CUstream, h: CUevent, flags: c_uint) -> CUresult {
     guard(CUresult::CUDA_ERROR_UNKNOWN, || {
@@ -281,26 +302,31 @@ pub extern "C" fn cuStreamWaitEvent(s: CUstream, h: CUevent, flags: c_uint) -> C
                             if let Some(g) = g {
                                 ev.wait(g);
                             }
+                            cost::merge(ev.stamp());
                         })
                     }),
                 );
             }
             driver::sticky(t.stream.device())?;
-            let g = {
+            let (g, pending) = {
                 let st = ev.st.lock();
-                if st.done >= st.recorded {
-                    return Ok(());
-                }
-                st.recorded
+                (st.recorded, st.done < st.recorded)
             };
-            if t.stream.capturing() {
+            let capturing = t.stream.capturing();
+            if !pending && (capturing || g == 0 || !cost::active()) {
+                return Ok(());
+            }
+            if capturing {
                 return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
             }
             submit(
                 &t,
                 Arc::new(move || {
                     let ev = ev.clone();
-                    Box::new(move || ev.wait(g))
+                    Box::new(move || {
+                        ev.wait(g);
+                        cost::merge(ev.stamp());
+                    })
                 }),
             )
         })())

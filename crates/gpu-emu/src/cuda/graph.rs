@@ -7,7 +7,8 @@
 //! Invariants: a graph and its instances are ids in their tables until
 //! destroyed; an instance owns a copy of the graph's launchers, so
 //! destroying the graph leaves it usable; a graph launch is one work item
-//! on its stream, running the executions in recorded order. The tables'
+//! on its stream, running the executions in recorded order, in the cost
+//! model's graph mode (`cost::in_graph`). The tables'
 //! locks are leaves.
 
 use std::sync::Arc;
@@ -18,7 +19,7 @@ use cuda_sys::{
 
 use super::driver::{self, check_init, code};
 use super::stream::{Launcher, Work, is_legacy, push_launched, resolve};
-use crate::{Table, guard, id_to_ptr, ptr_to_id, put};
+use crate::{Table, cost, guard, id_to_ptr, ptr_to_id, put};
 
 /// A recorded sequence of work.
 struct Graph {
@@ -177,7 +178,8 @@ pub unsafe extern "C" fn cuGraphInstantiateWithFlags(
     })
 }
 
-/// `cuGraphLaunch`: a fresh execution of the recorded work on `h`.
+/// `cuGraphLaunch`: a fresh execution of the recorded work on `h`, its
+/// operations charged their graph-mode costs (`cost`).
 #[unsafe(no_mangle)]
 pub extern "C" fn cuGraphLaunch(exec: CUgraphExec, h: CUstream) -> CUresult {
     guard(CUresult::CUDA_ERROR_UNKNOWN, || {
@@ -195,9 +197,11 @@ pub extern "C" fn cuGraphLaunch(exec: CUgraphExec, h: CUstream) -> CUresult {
             push_launched(
                 &t,
                 Box::new(move || {
-                    for w in works {
-                        w();
-                    }
+                    cost::in_graph(|| {
+                        for w in works {
+                            w();
+                        }
+                    })
                 }),
             );
             if t.sync {

@@ -40,6 +40,7 @@ use cuda_sys::CUresult;
 use half::{bf16, f16};
 use metrale_kernel_abi::one_shot::{self as abi, Status};
 
+use crate::cost::{self, CostOp};
 use crate::cuda::driver;
 use crate::cuda::memory::{self, Span, range_ok};
 use crate::cuda::stream::Launcher;
@@ -462,7 +463,9 @@ fn run(e: Elem, (ctrl, data, n, lane): (u64, u64, usize, u32), tag: u64) -> Opti
     // SAFETY: the lane lies inside the control block (the span).
     memory::access(&[ctrl_span], || unsafe {
         word64(lane_at).store(u64::from(epoch + 1) & EPOCH_MASK, Ordering::Release);
-    })
+    })?;
+    cost::charge(CostOp::OneShot, rank, e.size() * n);
+    Some(())
 }
 
 #[cfg(test)]

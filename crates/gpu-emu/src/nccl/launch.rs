@@ -6,6 +6,8 @@
 //! Invariants: a launched operation counts as in flight until its work
 //! runs or is dropped; its work first waits for its turn on the chain and
 //! ends unrun, touching no memory, when its communicator is aborted first;
+//! an all-reduce or a send that runs to completion is charged its cost on
+//! the stream's virtual clock (`cost`), one that fails or ends unrun none;
 //! a background enqueue drops the work of a communicator aborted meanwhile.
 //! A group [`Join`]'s lock is a leaf; a launch takes the communicator's
 //! state and its world's one after the other, never together.
@@ -18,11 +20,12 @@ use parking_lot::{Condvar, Mutex};
 
 use nccl_sys::ncclResult_t;
 
-use super::coll::Desc;
+use super::coll::{Desc, Kind};
 use super::comm::{Comm, Inflight, Peers, Ticket};
 use super::data::Dt;
 use super::world::{World, run_coll, run_recv, run_send};
 use super::{POLL, TICK};
+use crate::cost::{self, CostOp};
 use crate::cuda::driver;
 use crate::cuda::stream::{self, Launcher, Target, Work};
 use crate::fault::{self, Fault};
@@ -342,6 +345,17 @@ pub(super) fn defer(job: Job) {
     }
 }
 
+/// Advances the stream's virtual clock by the cost of `body` run to
+/// completion by `rank` (`cost`): an all-reduce or a send, by its bytes.
+fn charge(rank: usize, body: &Body) {
+    let (op, count, dt) = match *body {
+        Body::Coll(d) if d.kind == Kind::AllReduce => (CostOp::AllReduce, d.count, d.dt),
+        Body::Send { count, dt, .. } => (CostOp::Send, count, dt),
+        _ => return,
+    };
+    cost::charge(op, rank, count.saturating_mul(dt.size()));
+}
+
 pub(super) fn run(comm: &Arc<Comm>, seq: u64, f: Option<Fault>, body: &Body) {
     if matches!(f, Some(Fault::Hang | Fault::Die)) {
         comm.wait_aborted();
@@ -404,6 +418,9 @@ pub(super) fn run(comm: &Arc<Comm>, seq: u64, f: Option<Fault>, body: &Body) {
             },
         ) => m.run_recv(*peer, seq, *buf, *count, *dt),
     };
+    if let Some(Ok(())) = outcome {
+        charge(rank, body);
+    }
     match outcome {
         Some(Ok(())) if f == Some(Fault::Async) => {
             comm.set_async(ncclResult_t::ncclSystemError, "injected asynchronous error");
