@@ -90,7 +90,7 @@ mod validate;
 
 pub use backend::{AddKernel, CommBackend, Group, Registration, Result, SymmetricAlloc};
 pub use config::{BackendConfig, EnqueueMode, FastPathPolicy, OneShotPolicy};
-pub use error::{CommError, Failure, FailureKind, InFlightElsewhere};
+pub use error::{CommError, Failure, FailureKind, InFlightElsewhere, Leak, LeakKind, Suspect};
 pub use local_backend::LocalBackend;
 pub use nccl_backend::{AllReducePath, NcclBackend};
 pub use nccl_safe::{
