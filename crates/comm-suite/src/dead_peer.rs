@@ -144,7 +144,9 @@ fn drive(
         .collect();
     let sc_codes: Vec<i32> = survivors.iter().map(|&r| codes[r]).collect();
     if let Outcome::Fail(m) = collect(dir, &files, &sc_codes) {
-        return Ok(Outcome::Fail(format!("survivors (left after {left:?}): {m}")));
+        return Ok(Outcome::Fail(format!(
+            "survivors (left after {left:?}): {m}"
+        )));
     }
     if case.kill {
         return Ok(Outcome::Pass);

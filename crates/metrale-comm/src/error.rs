@@ -430,7 +430,11 @@ impl fmt::Display for Failure {
             FailureKind::OneShot { status } => write!(f, "failed in the one-shot kernel: {status}"),
         }?;
         if let Some(s) = &self.suspect {
-            write!(f, "; rank {} stopped answering first ({})", s.rank, s.evidence)?;
+            write!(
+                f,
+                "; rank {} stopped answering first ({})",
+                s.rank, s.evidence
+            )?;
         }
         if !self.elsewhere.is_empty() {
             write!(

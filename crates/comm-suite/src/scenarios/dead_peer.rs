@@ -19,6 +19,8 @@ use anyhow::{Context as _, bail, ensure};
 use metrale_comm::{CommBackend, CommError, OneShotPolicy};
 use nccl_safe::DeviceBuffer;
 
+use metrale_comm::rendezvous::TcpRendezvous;
+
 use crate::RankCtx;
 
 /// The variable naming the case: `PATH,SIGNAL,VICTIM` (`nccl` or
@@ -118,7 +120,23 @@ pub fn dead_peer(ctx: &RankCtx) -> anyhow::Result<()> {
         } else {
             OneShotPolicy::Never
         });
-    let b = ctx.backend("dead_peer", cfg)?;
+    // As a user would: rank 0 serves the store at MASTER_ADDR:MASTER_PORT.
+    let addr: std::net::SocketAddr = format!(
+        "{}:{}",
+        std::env::var("MASTER_ADDR").context("MASTER_ADDR")?,
+        std::env::var("MASTER_PORT").context("MASTER_PORT")?
+    )
+    .parse()
+    .context("MASTER_ADDR:MASTER_PORT")?;
+    ctx.step("the store at MASTER_ADDR");
+    let rdzv = TcpRendezvous::new(
+        ctx.rank,
+        ctx.world_size,
+        addr,
+        None,
+        Duration::from_secs(30),
+    )?;
+    let b = metrale_comm::NcclBackend::new(cfg, Box::new(rdzv))?;
     let mut buf = DeviceBuffer::<f32>::alloc(b.context(), N)?;
     let w = ctx.world_size;
     let start = Instant::now();

@@ -32,7 +32,7 @@ use crate::diagnostics::{DumpHeader, OpState};
 use crate::error::{CommError, Failure, FailureKind, Suspect};
 
 /// How long a timeout's census waits for the other ranks' reports.
-const CENSUS_WAIT: Duration = Duration::from_millis(250);
+const CENSUS_WAIT: Duration = Duration::from_millis(150);
 /// How much longer the poisoning thread waits for the census' answer.
 const CENSUS_SLACK: Duration = Duration::from_millis(50);
 
@@ -157,10 +157,7 @@ impl Inner {
     /// not answer, or is gone, names rank 0, which serves it.
     fn suspect(&self) -> Option<Suspect> {
         let store = self.store.clone()?;
-        let name = format!(
-            "timeout {}",
-            self.generation.load(Ordering::Acquire)
-        );
+        let name = format!("timeout {}", self.generation.load(Ordering::Acquire));
         let (tx, rx) = std::sync::mpsc::channel();
         let spawned = std::thread::Builder::new()
             .name(format!("metrale-census-r{}", self.rank))

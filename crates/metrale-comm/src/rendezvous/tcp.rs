@@ -324,7 +324,9 @@ impl Rendezvous for TcpRendezvous {
         let deadline = Instant::now() + timeout;
         let base = format!("{}census/{name}", self.namespace);
         client.set_by(&format!("{base}/{}", self.rank), BARRIER_PASSED, deadline)?;
-        let keys: Vec<String> = (0..self.world_size).map(|r| format!("{base}/{r}")).collect();
+        let keys: Vec<String> = (0..self.world_size)
+            .map(|r| format!("{base}/{r}"))
+            .collect();
         loop {
             let arrived = keys
                 .iter()
