@@ -17,6 +17,7 @@
 //!   scenarios run one after another, never concurrently.
 
 pub mod data;
+pub mod dead_peer;
 pub mod emu;
 pub mod one_shot_local;
 pub mod orchestrator;

@@ -240,12 +240,13 @@ fn free_port() -> u16 {
         .unwrap_or(29_500)
 }
 
-fn spawn_ranks(
+pub(crate) fn spawn_ranks(
     sc: &Scenario,
     world: usize,
     mode: Mode,
     dir: &Path,
     emulator: bool,
+    env: &[(&str, String)],
 ) -> anyhow::Result<Vec<Child>> {
     let exe = std::env::current_exe()?;
     let port = free_port();
@@ -266,7 +267,8 @@ fn spawn_ranks(
         cmd.env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
             .env(DIR_ENV, dir)
-            .env("METRALE_COMM_DUMP_DIR", dir.join("dumps"));
+            .env("METRALE_COMM_DUMP_DIR", dir.join("dumps"))
+            .envs(env.iter().map(|(k, v)| (k, v)));
         if mode == Mode::NodesSrun {
             // Under srun the store's host comes from the step's node list.
             cmd.env_remove("MASTER_ADDR");
@@ -408,7 +410,7 @@ fn collect_torchrun(dir: &Path, world: usize, code: i32) -> Outcome {
     Outcome::from_ranks(fails, skip)
 }
 
-fn kill_all(kids: &mut [Child]) {
+pub(crate) fn kill_all(kids: &mut [Child]) {
     for k in kids.iter_mut() {
         let _ = k.kill();
         let _ = k.wait();
@@ -416,7 +418,7 @@ fn kill_all(kids: &mut [Child]) {
 }
 
 /// Waits for every child until `deadline`; `None` when it passed.
-fn wait_all(kids: &mut [Child], deadline: Instant) -> Option<Vec<i32>> {
+pub(crate) fn wait_all(kids: &mut [Child], deadline: Instant) -> Option<Vec<i32>> {
     let mut codes = vec![None; kids.len()];
     loop {
         for (i, k) in kids.iter_mut().enumerate() {
@@ -436,7 +438,7 @@ fn wait_all(kids: &mut [Child], deadline: Instant) -> Option<Vec<i32>> {
     }
 }
 
-fn hang_report(sc: &Scenario, dir: &Path, world: usize, timeout: Duration) -> String {
+pub(crate) fn hang_report(sc: &Scenario, dir: &Path, world: usize, timeout: Duration) -> String {
     let mut msg = format!(
         "{} did not finish within {timeout:?}; killed every rank. Where they were:",
         sc.name
@@ -451,7 +453,7 @@ fn hang_report(sc: &Scenario, dir: &Path, world: usize, timeout: Duration) -> St
     msg
 }
 
-fn collect(dir: &Path, files: &[String], codes: &[i32]) -> Outcome {
+pub(crate) fn collect(dir: &Path, files: &[String], codes: &[i32]) -> Outcome {
     let mut fails = Vec::new();
     let mut skip = None;
     for (f, code) in files.iter().zip(codes) {
@@ -519,7 +521,7 @@ pub fn run_one(
         )
     } else {
         (
-            spawn_ranks(sc, world, mode, &dir, opts.emulator)?,
+            spawn_ranks(sc, world, mode, &dir, opts.emulator, &[])?,
             (0..world).map(|r| format!("result-rank{r}")).collect(),
         )
     };
@@ -549,7 +551,7 @@ pub fn run_one(
 /// killed; rank 0 must exit cleanly within its timeout + 1 s (+ shutdown).
 pub fn run_sigkill(sc: &Scenario, mode: Mode, opts: &Opts) -> anyhow::Result<Outcome> {
     let dir = crate::fresh_run_dir(sc.name)?;
-    let mut kids = spawn_ranks(sc, 2, mode, &dir, opts.emulator)?;
+    let mut kids = spawn_ranks(sc, 2, mode, &dir, opts.emulator, &[])?;
     let deadline = Instant::now() + opts.timeout;
     while !dir.join("ready-rank1").exists() {
         if Instant::now() >= deadline
@@ -723,6 +725,12 @@ fn run_cell(
         }
         if gpus < 2 {
             return Ok(Outcome::Skip(format!("needs 2 GPUs, {gpus} available")));
+        }
+        if sc.name == crate::scenarios::DEAD_PEER {
+            return match sc.world_for(gpus) {
+                Ok(world) => crate::dead_peer::run_all(sc, mode, world, opts),
+                Err(why) => Ok(Outcome::Skip(why)),
+            };
         }
         for i in 0..opts.repeat.max(1) {
             let out = run_sigkill(sc, mode, opts)?;

@@ -104,12 +104,18 @@ fn orchestrate(gpus: usize, scenarios: &[&str]) -> String {
 
 /// [`orchestrate`] in `modes`.
 fn orchestrate_in(modes: &str, gpus: usize, scenarios: &[&str]) -> String {
+    orchestrate_with(modes, gpus, scenarios, SIGKILL_REPEAT)
+}
+
+/// [`orchestrate_in`] with `repeat` repetitions of the orchestrated
+/// scenarios.
+fn orchestrate_with(modes: &str, gpus: usize, scenarios: &[&str], repeat: usize) -> String {
     let lib = comm_suite::emu::find_library().expect("the emulator library");
     let mut child = Command::new(env!("CARGO_BIN_EXE_comm-suite"))
         .args(["run", "--emulator", "--modes", modes])
         .args(["--gpus", &gpus.to_string()])
         .args(["--scenarios", &scenarios.join(",")])
-        .args(["--repeat", &SIGKILL_REPEAT.to_string()])
+        .args(["--repeat", &repeat.to_string()])
         .args(["--timeout", "120"])
         .env(comm_suite::emu::EMU_LIBRARY_ENV, &lib)
         .stdout(Stdio::piped())
@@ -199,4 +205,23 @@ fn processes_mode_on_the_emulator() {
         took_eight.as_secs_f64(),
         took_nodes.as_secs_f64()
     ));
+}
+
+/// `rel_dead_peer` once per case (NCCL's and the one-shot path, SIGSTOP and
+/// SIGKILL, of rank 0 and of the last rank) at 2 and 4 rank processes; the
+/// stress run (20 each) is in docs/operations.md.
+#[test]
+fn dead_peer_on_the_emulator() {
+    for gpus in [2, 4] {
+        let t = Instant::now();
+        let out = orchestrate_with("processes", gpus, &["rel_dead_peer"], 1);
+        assert!(
+            out.contains("rel_dead_peer") && out.contains("comm-suite: 0 failure(s)"),
+            "{out}"
+        );
+        show(&format!(
+            "\n{out}\n(rel_dead_peer at {gpus} ranks: {:.0}s)\n",
+            t.elapsed().as_secs_f64()
+        ));
+    }
 }

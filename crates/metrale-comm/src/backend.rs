@@ -183,7 +183,11 @@ pub trait CommBackend: Send + Sync {
 
     /// Waits (bounded) for enqueued work, releases the communicator and
     /// everything the backend allocated. Later calls get
-    /// [`CommError::Shutdown`]. Idempotent.
+    /// [`CommError::Shutdown`]. Idempotent. `Ok` means everything was
+    /// released; [`CommError::Leaked`] names what was left allocated and
+    /// why (memory a peer may still map after a peer's failure, work that
+    /// did not drain). After a failure (the backend poisoned) it does not
+    /// wait for peers and returns within about a second.
     fn shutdown(&self) -> Result<()>;
 
     /// This rank.

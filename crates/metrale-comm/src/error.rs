@@ -94,6 +94,17 @@ pub enum CommError {
         /// The communicator generation it ran on.
         generation: u64,
     },
+    /// `shutdown` released everything else but leaked these (memory a
+    /// peer may still map, or work that could not be proven finished): the
+    /// process should not build another backend on the same device
+    /// without accounting for them; a supervisor restarts the process.
+    #[error("{op}: leaked {}", leak_list(.leaks))]
+    Leaked {
+        /// The operation (`shutdown`).
+        op: &'static str,
+        /// What was leaked, and why; never empty.
+        leaks: Vec<Leak>,
+    },
     /// The operation does not exist for this backend (send on one rank).
     #[error("{op}: unsupported: {reason}")]
     Unsupported {
@@ -198,6 +209,75 @@ impl CommError {
     }
 }
 
+fn leak_list(leaks: &[Leak]) -> String {
+    leaks
+        .iter()
+        .map(Leak::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// What a [`Leak`] left allocated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LeakKind {
+    /// The one-shot path's receive buffer (its peers map it).
+    OneShotReceiveBuffer,
+    /// The one-shot kernels' control block and host-pinned words.
+    OneShotControlBlock,
+    /// This rank's mappings of the peers' one-shot buffers.
+    OneShotPeerMappings,
+    /// The fast path's scratch buffer.
+    Scratch,
+    /// Buffers from `alloc_symmetric`.
+    SymmetricMemory,
+}
+
+impl fmt::Display for LeakKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LeakKind::OneShotReceiveBuffer => "the one-shot receive buffer",
+            LeakKind::OneShotControlBlock => "the one-shot control block",
+            LeakKind::OneShotPeerMappings => "the mappings of the peers' one-shot buffers",
+            LeakKind::Scratch => "the fast path's scratch buffer",
+            LeakKind::SymmetricMemory => "symmetric memory",
+        })
+    }
+}
+
+/// One thing a shutdown left allocated rather than free it under a peer or
+/// a kernel that may still use it, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Leak {
+    /// What.
+    pub what: LeakKind,
+    /// Its device bytes (0 where not known, or host memory).
+    pub bytes: usize,
+    /// Why it could not be released.
+    pub why: String,
+}
+
+impl Leak {
+    pub(crate) fn new(what: LeakKind, bytes: usize, why: impl Into<String>) -> Leak {
+        Leak {
+            what,
+            bytes,
+            why: why.into(),
+        }
+    }
+}
+
+impl fmt::Display for Leak {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.what)?;
+        if self.bytes > 0 {
+            write!(f, " ({} bytes)", self.bytes)?;
+        }
+        write!(f, ": {}", self.why)
+    }
+}
+
 /// What poisoned a communicator: the op, its sequence number and the cause.
 #[derive(Debug, Clone)]
 pub struct Failure {
@@ -221,6 +301,20 @@ pub struct Failure {
     /// free that waits for a whole device while another communicator's
     /// kernel waits for a peer); this names the other side.
     pub elsewhere: Vec<InFlightElsewhere>,
+    /// The rank that stopped answering first, where it is known (a
+    /// timeout's census of who reported it through the store).
+    pub suspect: Option<Suspect>,
+}
+
+/// The rank a [`Failure`] names as the one that stopped answering, and
+/// how that is known.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Suspect {
+    /// The rank.
+    pub rank: usize,
+    /// How it is known.
+    pub evidence: String,
 }
 
 /// An operation another backend of this process had in flight when a
@@ -335,6 +429,13 @@ impl fmt::Display for Failure {
             FailureKind::Reconnect(e) => write!(f, "could not reconnect: {e}"),
             FailureKind::OneShot { status } => write!(f, "failed in the one-shot kernel: {status}"),
         }?;
+        if let Some(s) = &self.suspect {
+            write!(
+                f,
+                "; rank {} stopped answering first ({})",
+                s.rank, s.evidence
+            )?;
+        }
         if !self.elsewhere.is_empty() {
             write!(
                 f,

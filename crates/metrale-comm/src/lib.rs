@@ -94,7 +94,7 @@ pub use metrale_rendezvous as rendezvous;
 
 pub use backend::{AddKernel, CommBackend, Group, Registration, Result, SymmetricAlloc};
 pub use config::{BackendConfig, EnqueueMode, FastPathPolicy, OneShotPolicy, TuneCache};
-pub use error::{CommError, Failure, FailureKind, InFlightElsewhere};
+pub use error::{CommError, Failure, FailureKind, InFlightElsewhere, Leak, LeakKind, Suspect};
 pub use local_backend::LocalBackend;
 pub use nccl_backend::{AllReducePath, NcclBackend};
 pub use nccl_safe::{

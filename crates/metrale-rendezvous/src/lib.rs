@@ -176,6 +176,17 @@ pub enum RendezvousError {
         #[source]
         source: std::io::Error,
     },
+    /// The store this client had reached refused or reset a connection:
+    /// its process is gone (rank 0's, when rank 0 serves it). Every store
+    /// wait ends with this at once rather than retry until its deadline.
+    #[error("the store at {addr} is gone ({source}): its process exited or was killed")]
+    StoreGone {
+        /// The store's address.
+        addr: std::net::SocketAddr,
+        /// The refusal or reset.
+        #[source]
+        source: std::io::Error,
+    },
     /// The peer sent something this build does not understand.
     #[error("rendezvous protocol error: {0}")]
     Protocol(String),
@@ -259,6 +270,16 @@ pub trait Rendezvous: Send + Sync + std::fmt::Debug {
     ) -> Result<[u8; ID_LEN], RendezvousError>;
     /// All ranks arrive at `name` before any returns; bounded by `timeout`.
     fn barrier(&self, name: &str, timeout: Duration) -> Result<(), RendezvousError>;
+    /// A census of who arrived: this rank sets `name`, then waits until
+    /// every rank has or `timeout` passes, and says which ranks had
+    /// (`arrived[r]`). Ranks that meet no barrier (one that stopped
+    /// answering) show as absent. Without a store: `Unsupported`.
+    fn census(&self, name: &str, timeout: Duration) -> Result<Vec<bool>, RendezvousError> {
+        let _ = timeout;
+        Err(RendezvousError::Unsupported(format!(
+            "census `{name}`: this rendezvous has no store to meet in"
+        )))
+    }
     /// Whether [`Rendezvous::barrier`] can meet at all (a store behind it).
     fn has_store(&self) -> bool {
         true

@@ -317,6 +317,28 @@ impl Rendezvous for TcpRendezvous {
         )
     }
 
+    fn census(&self, name: &str, timeout: Duration) -> Result<Vec<bool>, RendezvousError> {
+        // A connection of its own: a frozen store must not hold the shared
+        // client's lock past this census.
+        let client = self.client.another();
+        let deadline = Instant::now() + timeout;
+        let base = format!("{}census/{name}", self.namespace);
+        client.set_by(&format!("{base}/{}", self.rank), BARRIER_PASSED, deadline)?;
+        let keys: Vec<String> = (0..self.world_size)
+            .map(|r| format!("{base}/{r}"))
+            .collect();
+        loop {
+            let arrived = keys
+                .iter()
+                .map(|k| client.check(&[k.as_str()]))
+                .collect::<Result<Vec<bool>, _>>()?;
+            if arrived.iter().all(|a| *a) || Instant::now() >= deadline {
+                return Ok(arrived);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     fn barrier(&self, name: &str, timeout: Duration) -> Result<(), RendezvousError> {
         let start = Instant::now();
         let left = || timeout.saturating_sub(start.elapsed());

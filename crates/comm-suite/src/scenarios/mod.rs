@@ -5,6 +5,7 @@
 
 pub mod api;
 pub mod backend;
+pub mod dead_peer;
 pub mod fuzz;
 pub mod graph_events;
 pub mod integrity;
@@ -467,5 +468,17 @@ pub fn all() -> Vec<Scenario> {
             Processes,
             reliability::sigkill_rank,
         ),
+        s(
+            DEAD_PEER,
+            "SIGSTOP/SIGKILL of rank 0 or the last, NCCL's and the one-shot path: bounded errors naming it, shutdown, exit",
+            2,
+            Some(4),
+            &[],
+            Processes,
+            dead_peer::dead_peer,
+        ),
     ]
 }
+
+/// The dead-peer scenario's name (the orchestrator runs its cases).
+pub const DEAD_PEER: &str = "rel_dead_peer";

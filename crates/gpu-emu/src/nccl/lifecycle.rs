@@ -141,8 +141,8 @@ pub extern "C" fn ncclCommAbort(comm: ncclComm_t) -> ncclResult_t {
     })
 }
 
-/// `ncclCommGetAsyncError`: the first asynchronous error, `ncclInProgress`
-/// while init, a background enqueue or a non-blocking finalize is pending,
+/// `ncclCommGetAsyncError`: the first asynchronous error (a peer lost from
+/// a cross-process mesh is one, see `net`), `ncclInProgress` while init, a background enqueue or a non-blocking finalize is pending,
 /// else `ncclSuccess`.
 ///
 /// # Safety
@@ -154,6 +154,21 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(
 ) -> ncclResult_t {
     entry(|| {
         let c = lookup(comm)?;
+        // A peer whose link ended without `Bye` is the asynchronous error
+        // even when no operation needed it (the mesh's lock is taken
+        // without the communicator's).
+        let mesh = match &*c.st.lock() {
+            st if st.async_err.is_some() => None,
+            st => match &st.world {
+                Some(Peers::Net(m)) => Some(m.clone()),
+                _ => None,
+            },
+        };
+        if let Some(lost) = mesh.and_then(|m| m.first_lost())
+            && !c.aborted()
+        {
+            c.set_async(ncclResult_t::ncclRemoteError, &lost);
+        }
         let v = {
             let st = c.st.lock();
             if let Some(e) = st.async_err {

@@ -9,7 +9,9 @@
 //!   the one-shot abort word, aborts the communicator (through the abort
 //!   handle, without the slot lock) and dumps the flight recorder; a
 //!   timeout's failure lists what the process's other backends have in
-//!   flight (`census`).
+//!   flight (`census`), and names the rank that stopped answering where a
+//!   census through the store shows it (`suspect`, bounded by
+//!   [`CENSUS_WAIT`]).
 //! - Every later call is refused with the first failure: `Failed` for the
 //!   submission that failed, `Poisoned` naming it for every other.
 //!
@@ -19,6 +21,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use nccl_safe::NcclCode;
 
@@ -26,7 +29,12 @@ use super::Inner;
 use super::submission::Ticket;
 use crate::backend::Result;
 use crate::diagnostics::{DumpHeader, OpState};
-use crate::error::{CommError, Failure, FailureKind};
+use crate::error::{CommError, Failure, FailureKind, Suspect};
+
+/// How long a timeout's census waits for the other ranks' reports.
+const CENSUS_WAIT: Duration = Duration::from_millis(150);
+/// How much longer the poisoning thread waits for the census' answer.
+const CENSUS_SLACK: Duration = Duration::from_millis(50);
 
 /// Errors NCCL or the driver return for the call's own arguments, before
 /// anything is enqueued: they do not poison.
@@ -63,6 +71,11 @@ impl Inner {
         } else {
             Vec::new()
         };
+        let suspect = if kind.is_timeout() && !self.health.is_poisoned() {
+            self.suspect()
+        } else {
+            None
+        };
         let (failure, first) = self.health.poison(|| Failure {
             op,
             seq,
@@ -72,6 +85,7 @@ impl Inner {
             kind,
             backend: self.census.id(),
             elsewhere,
+            suspect,
         });
         if !first {
             return failure;
@@ -133,6 +147,51 @@ impl Inner {
             op,
             seq: ticket.seq,
             generation: ticket.generation,
+        }
+    }
+
+    /// After a timeout: the rank that stopped answering, from a census of
+    /// the ranks that report the same timeout through the store within
+    /// [`CENSUS_WAIT`] (the census runs on a thread of its own, so a store
+    /// that does not answer costs no more than that). A store that does
+    /// not answer, or is gone, names rank 0, which serves it.
+    fn suspect(&self) -> Option<Suspect> {
+        let store = self.store.clone()?;
+        let name = format!("timeout {}", self.generation.load(Ordering::Acquire));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let spawned = std::thread::Builder::new()
+            .name(format!("metrale-census-r{}", self.rank))
+            .spawn(move || {
+                let _ = tx.send(store.census(&name, CENSUS_WAIT));
+            });
+        if spawned.is_err() {
+            return None;
+        }
+        let store_silent = |why: String| {
+            (self.rank != 0).then(|| Suspect {
+                rank: 0,
+                evidence: format!("the store, which rank 0 serves, {why}"),
+            })
+        };
+        match rx.recv_timeout(CENSUS_WAIT + CENSUS_SLACK) {
+            Ok(Ok(arrived)) => {
+                let missing: Vec<usize> = arrived
+                    .iter()
+                    .enumerate()
+                    .filter(|&(r, a)| !a && r != self.rank)
+                    .map(|(r, _)| r)
+                    .collect();
+                let &rank = missing.first()?;
+                Some(Suspect {
+                    rank,
+                    evidence: format!(
+                        "ranks {missing:?} did not report this timeout within {CENSUS_WAIT:?}"
+                    ),
+                })
+            }
+            Ok(Err(crate::rendezvous::RendezvousError::Unsupported(_))) => None,
+            Ok(Err(e)) => store_silent(format!("failed the census: {e}")),
+            Err(_) => store_silent(format!("did not answer within {CENSUS_WAIT:?}")),
         }
     }
 

@@ -24,12 +24,15 @@
 //!   buffers (after a host barrier with the peers, else leaked: they may
 //!   still map them); only then deregister and free. Memory
 //!   whose work cannot be proven finished is leaked with an error log,
-//!   never freed under a kernel.
+//!   never freed under a kernel. A poisoned backend's shutdown waits for
+//!   no peer (it skips the one-shot release barrier) and is bounded by
+//!   [`FAILED_SHUTDOWN`], not the shutdown timeout; `Ok` means everything
+//!   was released, [`CommError::Leaked`] names what was not and why.
 
 use std::ffi::c_void;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use nccl_safe::{Comm, DataType, DeviceBuffer, Event, ReduceOp, UniqueId};
 use parking_lot::Mutex;
@@ -40,8 +43,12 @@ use super::watch::Pool;
 use super::{Inner, NcclBackend, Slot, watchdog};
 use crate::backend::Result;
 use crate::config::EnqueueMode;
-use crate::error::{CommError, FailureKind};
+use crate::error::{CommError, FailureKind, Leak, LeakKind};
 use crate::health::Health;
+
+/// The shutdown bound of a poisoned backend: it aborts at once and waits
+/// for no peer, so what is left is draining its own aborted work.
+const FAILED_SHUTDOWN: Duration = Duration::from_millis(800);
 
 /// Bytes of one rank's census record: its host id and settings word.
 const CENSUS_BYTES: usize = 16;
@@ -397,7 +404,13 @@ impl NcclBackend {
         if !inner.health.begin_shutdown() {
             return Ok(());
         }
-        let timeout = inner.config.shutdown_timeout;
+        // After a failure nothing waits for a peer: the bound is short.
+        let failed = inner.health.is_poisoned();
+        let timeout = if failed {
+            inner.config.shutdown_timeout.min(FAILED_SHUTDOWN)
+        } else {
+            inner.config.shutdown_timeout
+        };
         let deadline = Instant::now() + timeout;
         let mut aborted = false;
         let mut timed_out = false;
@@ -409,7 +422,7 @@ impl NcclBackend {
             .lock()
             .as_ref()
             .is_some_and(|ev| !matches!(ev.query(), Ok(true)));
-        if idle_left || inner.health.is_poisoned() {
+        if idle_left || failed {
             inner.abort_now("shutdown");
             aborted = true;
         }
@@ -452,11 +465,9 @@ impl NcclBackend {
             aborted = true;
             drained = inner.drain(&slot, Instant::now() + timeout);
         }
-        if drained.is_ok() {
-            inner.one_shot_release(&mut slot, deadline);
-        }
         let result = match drained {
             Ok(()) => {
+                let leaks = inner.one_shot_release(&mut slot, deadline);
                 if !aborted && let Some(comm) = slot.comm.take() {
                     for handle in std::mem::take(&mut slot.registered).into_keys() {
                         // SAFETY: each handle came from `register_raw` on this
@@ -469,7 +480,12 @@ impl NcclBackend {
                 }
                 slot.symmetric.clear();
                 slot.fast.free();
-                if timed_out {
+                if !leaks.is_empty() {
+                    Err(CommError::Leaked {
+                        op: "shutdown",
+                        leaks,
+                    })
+                } else if timed_out {
                     Err(CommError::Refused {
                         op: "shutdown",
                         source: nccl_safe::Error::Timeout {
@@ -485,23 +501,38 @@ impl NcclBackend {
                 // Memory whose work cannot be proven finished is leaked, not
                 // freed under a kernel that may still use it (a free would
                 // also wait for that kernel).
+                let why = format!("work did not drain after the abort ({e})");
                 let symmetric = std::mem::take(&mut slot.symmetric);
                 let scratch = slot.fast.leak();
                 tracing::error!(
                     rank = inner.rank,
                     symmetric = symmetric.len(),
                     scratch,
-                    "shutdown: work did not drain after the abort ({e}); \
-                     leaking the backend's device memory"
+                    "shutdown: {why}; leaking the backend's device memory"
                 );
+                let mut leaks = Vec::new();
+                if !symmetric.is_empty() {
+                    let bytes = symmetric.values().map(|b| b.bytes()).sum();
+                    leaks.push(Leak::new(LeakKind::SymmetricMemory, bytes, why.clone()));
+                }
+                if scratch {
+                    leaks.push(Leak::new(LeakKind::Scratch, 0, why.clone()));
+                }
                 for (_, buf) in symmetric {
                     std::mem::forget(buf);
                 }
-                inner.one_shot_leak(&mut slot);
-                Err(CommError::Refused {
-                    op: "shutdown",
-                    source: e,
-                })
+                leaks.extend(inner.one_shot_leak(&mut slot, &why));
+                if leaks.is_empty() {
+                    Err(CommError::Refused {
+                        op: "shutdown",
+                        source: e,
+                    })
+                } else {
+                    Err(CommError::Leaked {
+                        op: "shutdown",
+                        leaks,
+                    })
+                }
             }
         };
         slot.registered.clear();

@@ -36,9 +36,12 @@
 //!   this rank's buffer), and only then free. The barrier is host-only: a
 //!   kernel waiting for a peer could block that peer's teardown of another
 //!   communicator, which waits for this GPU. Without the barrier (a peer
-//!   that does not come by the deadline) the receive buffer is leaked with
-//!   a log line rather than freed under a peer's mapping; the control block
-//!   and pinned words too if this rank's own work did not drain. A backend
+//!   that does not come by the deadline, or the shutdown of a poisoned
+//!   backend, which skips it at once: a peer that stopped answering cannot
+//!   come) the receive buffer is leaked with a log line rather than freed
+//!   under a peer's mapping; the control block and pinned words too if
+//!   this rank's own work did not drain. The release returns what it
+//!   leaked (`shutdown` reports it). A backend
 //!   without a store (a fixed unique id) takes part in the set-up with a
 //!   failed record, so the path is off on every rank; a split
 //!   sub-communicator meets its group in its parent's store
@@ -64,7 +67,7 @@ use super::one_shot::{
 use super::{Inner, Slot};
 use crate::backend::Result;
 use crate::config::OneShotPolicy;
-use crate::error::CommError;
+use crate::error::{CommError, Leak, LeakKind};
 use crate::kernels::{self, OneShotElement};
 
 /// Bytes of one rank's record in the set-up exchanges.
@@ -557,10 +560,13 @@ impl Inner {
     /// Releases this generation's one-shot buffers in the order the module
     /// docs give, bounded by `deadline`; what cannot be freed in that order
     /// is leaked with a log line (never freed under a peer's mapping or this
-    /// rank's own work).
-    pub(super) fn one_shot_release(&self, slot: &mut Slot, deadline: Instant) {
+    /// rank's own work) and returned. A shutdown of a poisoned backend
+    /// skips the barrier at once: its peers failed or will fail too, and
+    /// one that stopped answering cannot come.
+    pub(super) fn one_shot_release(&self, slot: &mut Slot, deadline: Instant) -> Vec<Leak> {
         let (owed, mut live) = slot.one_shot.take_for_release();
         self.one_shot_flags.clear();
+        let mut leaks = Vec::new();
         if let Some(l) = &live {
             l.flags.store(kernels::abi::one_shot::FLAG_ABORT, 1);
         }
@@ -573,35 +579,46 @@ impl Inner {
             let peers = std::mem::take(&mut l.peers);
             if drained {
                 drop(peers);
-            } else {
+            } else if !peers.is_empty() {
                 // A kernel of this rank may still push through them.
                 std::mem::forget(peers);
+                leaks.push(Leak::new(
+                    LeakKind::OneShotPeerMappings,
+                    0,
+                    "this rank's own one-shot work did not drain",
+                ));
             }
         }
+        let failed = self.health.is_shutdown() && self.health.is_poisoned();
         // Every rank that took part in the exchange meets here, its own
         // mappings closed: a host barrier through the rendezvous' store, so
         // no kernel waits for a peer that may be tearing down another
         // communicator (whose teardown waits for this GPU). A rank whose
         // own work did not drain keeps its mappings and does not come, so
-        // its peers keep their buffers too.
+        // its peers keep their buffers too; nor does a failed rank's
+        // shutdown wait for peers that may be gone.
         let unmapped = match (owed, self.store.as_ref()) {
-            (None, _) => true,
-            (Some(_), _) if !drained => false,
-            (Some(generation), Some(rv)) => {
-                match rv.barrier(&format!("one-shot release {generation}"), left()) {
-                    Ok(()) => true,
-                    Err(e) => {
-                        tracing::warn!(
-                            rank = self.rank,
-                            "one-shot release: the peers did not all release: {e}"
-                        );
-                        false
-                    }
-                }
-            }
-            (Some(_), None) => false,
+            (None, _) => Ok(()),
+            (Some(_), _) if !drained => Err("this rank's own one-shot work did not drain".into()),
+            (Some(_), _) if failed => Err(format!(
+                "the communicator failed ({}): the release barrier is skipped, so peers may \
+                 still map it",
+                self.health
+                    .failure()
+                    .map_or_else(|| "poisoned".to_string(), |f| f.to_string())
+            )),
+            (Some(generation), Some(rv)) => rv
+                .barrier(&format!("one-shot release {generation}"), left())
+                .map_err(|e| {
+                    tracing::warn!(
+                        rank = self.rank,
+                        "one-shot release: the peers did not all release: {e}"
+                    );
+                    format!("the peers did not all come to the release barrier: {e}")
+                }),
+            (Some(_), None) => Err("no store to meet the peers in".into()),
         };
-        let Some(mut live) = live else { return };
+        let Some(mut live) = live else { return leaks };
         let bytes = live.recv.bytes();
         if !drained {
             tracing::error!(
@@ -610,7 +627,14 @@ impl Inner {
                 "one-shot release: this rank's own one-shot work did not drain; \
                  leaking its buffers"
             );
-            return;
+            let why = "this rank's own one-shot work did not drain";
+            leaks.push(Leak::new(LeakKind::OneShotReceiveBuffer, bytes, why));
+            leaks.push(Leak::new(
+                LeakKind::OneShotControlBlock,
+                live.ctrl.bytes(),
+                why,
+            ));
+            return leaks;
         }
         // SAFETY: this rank's own work on the control block and the pinned
         // words drained; each is dropped once, here.
@@ -618,25 +642,29 @@ impl Inner {
             ManuallyDrop::drop(&mut live.ctrl);
             ManuallyDrop::drop(&mut live.flags);
         }
-        if unmapped {
+        match unmapped {
             // SAFETY: every peer closed its mapping (the barrier) and this
             // rank's own work on the buffer drained; it is dropped once.
-            unsafe { ManuallyDrop::drop(&mut live.recv) };
-        } else {
-            tracing::warn!(
-                rank = self.rank,
-                bytes,
-                "one-shot release: peers may still map this rank's buffer; leaking it \
-                 rather than freeing it under them"
-            );
+            Ok(()) => unsafe { ManuallyDrop::drop(&mut live.recv) },
+            Err(why) => {
+                tracing::warn!(
+                    rank = self.rank,
+                    bytes,
+                    "one-shot release: peers may still map this rank's buffer ({why}); \
+                     leaking it rather than freeing it under them"
+                );
+                leaks.push(Leak::new(LeakKind::OneShotReceiveBuffer, bytes, why));
+            }
         }
+        leaks
     }
 
     /// Leaks this generation's one-shot buffers (shutdown, when the work
-    /// that uses them cannot be proven finished).
-    pub(super) fn one_shot_leak(&self, slot: &mut Slot) {
+    /// that uses them cannot be proven finished), and says what it leaked.
+    pub(super) fn one_shot_leak(&self, slot: &mut Slot, why: &str) -> Vec<Leak> {
         self.one_shot_flags.abort();
         self.one_shot_flags.clear();
+        let mut leaks = Vec::new();
         if let (_, Some(live)) = slot.one_shot.take_for_release() {
             // Dropping `Live` frees nothing (every allocation in it is
             // `ManuallyDrop`); the mappings of the peers' buffers stay too.
@@ -645,8 +673,22 @@ impl Inner {
                 bytes = live.recv.bytes(),
                 "leaking the one-shot buffers"
             );
+            leaks.push(Leak::new(
+                LeakKind::OneShotReceiveBuffer,
+                live.recv.bytes(),
+                why,
+            ));
+            leaks.push(Leak::new(
+                LeakKind::OneShotControlBlock,
+                live.ctrl.bytes(),
+                why,
+            ));
+            if !live.peers.is_empty() {
+                leaks.push(Leak::new(LeakKind::OneShotPeerMappings, 0, why));
+            }
             std::mem::forget(live);
         }
+        leaks
     }
 }
 

@@ -84,10 +84,24 @@ impl StoreClient {
         let mut auth_closed = 0;
         loop {
             let err = match self.try_open(deadline) {
-                Ok(live) => return Ok(live),
+                Ok(live) => {
+                    self.reached.store(true, Ordering::Release);
+                    return Ok(live);
+                }
                 Err(Fail::Fatal(e) | Fail::Clean(e)) => return Err(e),
                 Err(Fail::Transport(e)) => e,
             };
+            if self.reached.load(Ordering::Acquire)
+                && matches!(
+                    err.kind(),
+                    std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::ConnectionReset
+                )
+            {
+                return Err(RendezvousError::StoreGone {
+                    addr: self.addr,
+                    source: err,
+                });
+            }
             if err.kind() == std::io::ErrorKind::Unsupported {
                 tracing::debug!(addr = %self.addr, "the store does not speak this crate's extension; going on without it");
                 self.ext.store(EXT_REFUSED, Ordering::Release);

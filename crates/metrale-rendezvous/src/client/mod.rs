@@ -7,7 +7,9 @@
 //!
 //! Invariants:
 //! - Every exchange has a deadline: connecting retries with jittered,
-//!   doubling backoff (10 ms to 1 s) until the caller's deadline, and a
+//!   doubling backoff (10 ms to 1 s) until the caller's deadline (until a
+//!   connection was once opened: then a refused or reset connection is
+//!   [`RendezvousError::StoreGone`] at once, the store's process gone), and a
 //!   connection lost in the middle of an idempotent query (set, get, wait,
 //!   check, multi-get, multi-set, compare-set, key count, ping) is replaced
 //!   and the query sent again within the same deadline. `add`, `append`
@@ -49,7 +51,7 @@ mod exchange;
 mod ops;
 
 use std::net::{SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -115,6 +117,9 @@ pub struct StoreClient {
     io_timeout: Duration,
     nonce: u32,
     ext: AtomicU8,
+    /// A connection was opened once: the store was up, so a refused or
+    /// reset connection now means it is gone (no retry).
+    reached: AtomicBool,
     conn: Mutex<Option<Live>>,
 }
 
@@ -164,6 +169,7 @@ impl StoreClient {
             io_timeout: DEFAULT_IO_TIMEOUT,
             nonce: nonce(),
             ext: AtomicU8::new(ext),
+            reached: AtomicBool::new(false),
             conn: Mutex::new(None),
         };
         let live = client.open(proto::after(timeout))?;
@@ -181,6 +187,7 @@ impl StoreClient {
             io_timeout: self.io_timeout,
             nonce: nonce(),
             ext: AtomicU8::new(self.ext.load(Ordering::Acquire)),
+            reached: AtomicBool::new(self.reached.load(Ordering::Acquire)),
             conn: Mutex::new(None),
         }
     }

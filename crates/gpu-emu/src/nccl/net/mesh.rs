@@ -91,6 +91,9 @@ struct MeshSt {
     splits: BTreeMap<(u64, usize), (i32, i32)>,
     /// Splits this rank takes no part in: their messages are dropped.
     discard: BTreeSet<u64>,
+    /// The text of the first peer lost (the one that stopped answering
+    /// first), reported as the communicator's asynchronous error.
+    first_lost: Option<String>,
 }
 
 /// A cross-process communicator's links and mailboxes.
@@ -192,9 +195,18 @@ impl Mesh {
         let msg = format!("{} is gone: {why}", self.who(j));
         let mut st = self.st.lock();
         if let Some(p @ Some(Peer::Up)) = st.peers.get_mut(j) {
-            *p = Some(Peer::Lost(msg));
+            *p = Some(Peer::Lost(msg.clone()));
+            if !self.is_closed() {
+                st.first_lost.get_or_insert(msg);
+            }
         }
         self.cv.notify_all();
+    }
+
+    /// The first peer lost while this mesh was open (its text names the
+    /// rank and its process), whether or not any work needed it.
+    pub(crate) fn first_lost(&self) -> Option<String> {
+        self.st.lock().first_lost.clone()
     }
 
     /// The reader of the link to `j`.

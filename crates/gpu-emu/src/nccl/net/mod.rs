@@ -20,9 +20,14 @@
 //! GPUs when a peer stops calling. A link that ends without `Bye` (the
 //! process exited or was killed, or a malformed frame) is lost: every wait
 //! that needs that peer, and every send to it, ends with `ncclRemoteError`
-//! as the communicator's asynchronous error, naming the peer. A lost peer
-//! is only reported by work that needs it, so a peer that exits after its
-//! last operation without destroying its communicator is not an error.
+//! as the communicator's asynchronous error, naming the peer. The first
+//! peer lost is also the communicator's asynchronous error as soon as its
+//! link ends, with no operation in flight (`ncclCommGetAsyncError` asks
+//! the mesh), as NCCL's proxy reports a remote error: a watchdog polling
+//! it sees a killed peer within its interval, also while only work
+//! outside NCCL (a one-shot kernel) waits for that peer. A peer that exits
+//! without destroying its communicator is therefore an error to the ranks
+//! still holding theirs.
 //!
 //! # Invariants
 //! - Nothing here knows a communicator: a mesh is built for a routing key,
