@@ -32,6 +32,9 @@ pub enum Fault {
     /// The `nth` enqueue call on a blocking communicator, counted from the
     /// injection, stays inside NCCL until the communicator is aborted.
     Stalls = 6,
+    /// The rank's `nth` one-shot kernel, counted from the injection,
+    /// writes a wrong first word of its result.
+    Corrupts = 7,
 }
 
 /// Environment variable with the emulator's costs, read by each process

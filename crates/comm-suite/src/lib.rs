@@ -226,6 +226,29 @@ impl Progress {
     }
 }
 
+/// The suite's fast-path policy unless a scenario names another: the
+/// 2-4 MiB window measured on 2 GPUs over NVLink (decision 0004), so a
+/// scenario's paths do not depend on the tuner's timing of the machine.
+pub const FAST_PATH_WINDOW: metrale_comm::FastPathPolicy = metrale_comm::FastPathPolicy::Range {
+    min_bytes: 2 << 20,
+    max_bytes: 4 << 20,
+};
+/// The suite's one-shot policy unless a scenario names another.
+pub const ONE_SHOT_OFF: metrale_comm::OneShotPolicy = metrale_comm::OneShotPolicy::Never;
+/// The one-shot path up to its largest slot (1 MiB), for the scenarios
+/// that exercise it by size.
+pub const ONE_SHOT_TO_1M: metrale_comm::OneShotPolicy = metrale_comm::OneShotPolicy::Range {
+    min_bytes: 0,
+    max_bytes: 1 << 20,
+};
+
+/// The tuner's cache of the suite's backends: one directory for every
+/// scenario run of this machine (`$TMPDIR/metrale-comm-suite-tune`), so
+/// each configuration is timed once.
+pub fn tune_cache_dir() -> PathBuf {
+    std::env::temp_dir().join("metrale-comm-suite-tune")
+}
+
 /// Everything a scenario body gets for one rank.
 #[derive(Debug)]
 pub struct RankCtx {
@@ -373,9 +396,14 @@ impl RankCtx {
     }
 
     /// A backend configuration for this rank: its device, the run's dump
-    /// directory, 30 s collective and init deadlines, and the enqueue mode
-    /// from `METRALE_COMM_ENQUEUE` when set (so the whole suite can run on
-    /// non-blocking communicators; the default is the library's, blocking).
+    /// directory, 30 s collective and init deadlines, the paths pinned
+    /// ([`ONE_SHOT_OFF`], [`FAST_PATH_WINDOW`]: a scenario states the
+    /// paths it checks; the tuned default is the fuzzer's and
+    /// `tune_choice`'s), the tuner's cache in the suite's own directory
+    /// ([`tune_cache_dir`]), and the enqueue mode from
+    /// `METRALE_COMM_ENQUEUE` when set (so the whole suite can run on
+    /// non-blocking communicators; the default is the library's,
+    /// blocking).
     pub fn config(&self) -> metrale_comm::BackendConfig {
         // Pinned: a scenario's settings are what it checks, so only the
         // enqueue mode below comes from the environment.
@@ -383,6 +411,9 @@ impl RankCtx {
             .with_collective_timeout(Duration::from_secs(30))
             .with_init_timeout(Duration::from_secs(30))
             .with_dump_dir(self.dump_dir())
+            .with_one_shot(ONE_SHOT_OFF)
+            .with_fast_path(FAST_PATH_WINDOW)
+            .with_tune_cache(metrale_comm::TuneCache::Dir(tune_cache_dir()))
             .without_env_overrides();
         match std::env::var("METRALE_COMM_ENQUEUE") {
             Ok(m) => match metrale_comm::EnqueueMode::parse(&m) {

@@ -67,6 +67,7 @@ const TWO_RANKS: &[&str] = &[
     "two_worlds_concurrent",
     "two_worlds_free_deadlock",
     "fuzz_schedules",
+    "tune_choice",
 ];
 
 /// The scenarios run again with three rank processes (a mesh where every
@@ -78,6 +79,7 @@ const THREE_RANKS: &[&str] = &[
     "api_split_concurrent",
     "oneshot_sizes",
     "oneshot_split",
+    "tune_choice",
 ];
 
 /// The one-shot scenarios run again with eight rank processes (the most

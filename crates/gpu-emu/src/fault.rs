@@ -7,7 +7,8 @@
 //! shift it. Operation faults count the collectives and send/recv launched
 //! by communicators of that rank, on any communicator, at launch; a `stall`
 //! counts the rank's enqueue calls on blocking communicators (a collective,
-//! a send/recv, or a group end with work), taken in the call. The list's
+//! a send/recv, or a group end with work), taken in the call; a `corrupt`
+//! counts the rank's one-shot kernels, taken when one completes. The list's
 //! lock is a leaf, taken with no other lock held (at an init, a launch,
 //! an enqueue call).
 //!
@@ -38,6 +39,10 @@ pub enum Fault {
     /// the fault is added, does not return until the communicator is aborted (as NCCL's connection set-up at
     /// first use waits for a peer that never comes), then fails.
     Stall,
+    /// The rank's `nth` one-shot all-reduce kernel, counted from when the
+    /// fault is added, writes a wrong first word of its result (a GPU whose
+    /// peer memory misbehaves): what the backend's checks must catch.
+    Corrupt,
 }
 
 impl Fault {
@@ -49,6 +54,7 @@ impl Fault {
             4 => Fault::NoJoin,
             5 => Fault::Die,
             6 => Fault::Stall,
+            7 => Fault::Corrupt,
             _ => return None,
         })
     }
@@ -61,6 +67,7 @@ impl Fault {
             "nojoin" => Fault::NoJoin,
             "die" => Fault::Die,
             "stall" => Fault::Stall,
+            "corrupt" => Fault::Corrupt,
             _ => return None,
         })
     }
@@ -144,7 +151,15 @@ fn count_down(matches: impl Fn(&Entry) -> bool) -> Option<Fault> {
 /// Counts one operation launched by `rank` against its first operation
 /// fault: the fault (now gone) at the `nth` operation since it was added.
 pub(crate) fn take_op(rank: i32) -> Option<Fault> {
-    count_down(|e| e.rank == rank && !e.fault.is_init() && e.fault != Fault::Stall)
+    count_down(|e| {
+        e.rank == rank && !e.fault.is_init() && !matches!(e.fault, Fault::Stall | Fault::Corrupt)
+    })
+}
+
+/// Counts one one-shot kernel of `rank` against its corruption fault:
+/// true (and the fault is gone) at the `nth` kernel since it was added.
+pub(crate) fn take_corrupt(rank: i32) -> bool {
+    count_down(|e| e.rank == rank && e.fault == Fault::Corrupt).is_some()
 }
 
 /// Takes the init fault for `rank`, if any.

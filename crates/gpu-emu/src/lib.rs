@@ -117,7 +117,8 @@
 //! # Control API
 //! Exported C functions, resolved by the suite from the same library:
 //! `metrale_emu_inject(rank, fault, nth) -> int` (1 hang, 2 async error,
-//! 3 init fails, 4 never joins init, 5 dies, 6 stalls in the call; `nth`
+//! 3 init fails, 4 never joins init, 5 dies, 6 stalls in the call, 7 the
+//! `nth` one-shot kernel writes a wrong first word; `nth`
 //! counts from 1, from when the fault is added: the rank's collectives and
 //! send/recv on any communicator, at launch, and for a stall the rank's
 //! enqueue calls on blocking communicators; each fault fires once), `metrale_emu_reset()` (clears every fault) and
@@ -126,7 +127,7 @@
 //! (this process's IPC mappings of other processes' memory open now; its
 //! frees of memory another process still maps, since start).
 //! `METRALE_EMU_FAULTS="RANK:KIND@N;..."` (KIND one of `hang`, `async`,
-//! `initfail`, `nojoin`, `die`, `stall`) is read on first use.
+//! `initfail`, `nojoin`, `die`, `stall`, `corrupt`) is read on first use.
 //!
 //! Emulated time (`cost`): `metrale_emu_set_cost(rank, op, mode, base_ns,
 //! ns_per_kib) -> int` (rank a communicator rank, or -1 for every rank; op

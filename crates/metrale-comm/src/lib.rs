@@ -96,7 +96,7 @@ pub use backend::{AddKernel, CommBackend, Group, Registration, Result, Symmetric
 pub use config::{BackendConfig, EnqueueMode, FastPathPolicy, OneShotPolicy, TuneCache};
 pub use error::{CommError, Failure, FailureKind, InFlightElsewhere, Leak, LeakKind, Suspect};
 pub use local_backend::LocalBackend;
-pub use nccl_backend::{AllReducePath, NcclBackend};
+pub use nccl_backend::{AllReducePath, LaunchMode, NcclBackend, PathRange, PathTable};
 pub use nccl_safe::{
     Context, DataType, DeviceBuffer, DeviceView, DeviceViewMut, Error as NcclSafeError, Stream,
     StreamRef, UniqueId,

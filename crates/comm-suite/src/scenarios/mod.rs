@@ -18,6 +18,7 @@ pub mod reliability;
 pub mod safe;
 pub mod scale;
 pub mod settings;
+pub mod tune;
 pub mod turns;
 pub mod two_worlds;
 
@@ -413,6 +414,16 @@ pub fn all() -> Vec<Scenario> {
             &[2, 3],
             Nothing,
             settings::settings_differ,
+        ),
+        s(
+            "tune_choice",
+            "the path tuner with injected path times: NCCL where slower, exact eager and graph \
+             ranges, one slow rank, a failed probe or check, the cache",
+            2,
+            Some(8),
+            &[2, 3, 4],
+            EmulatorFaults,
+            tune::choice,
         ),
         s(
             "two_worlds_concurrent",

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, ensure};
 use half::bf16;
-use metrale_comm::{AllReducePath, CommBackend, FastPathPolicy, NcclBackend, OneShotPolicy};
+use metrale_comm::{AllReducePath, CommBackend, FastPathPolicy, NcclBackend};
 use nccl_safe::DeviceBuffer;
 
 use super::exact;
@@ -81,7 +81,7 @@ pub fn split_one_shot(ctx: &RankCtx) -> anyhow::Result<()> {
     let cfg = ctx
         .config()
         .with_init_timeout(INIT)
-        .with_one_shot(OneShotPolicy::DEFAULT)
+        .with_one_shot(crate::ONE_SHOT_TO_1M)
         .with_fast_path(FastPathPolicy::Always);
     let world = NcclBackend::from_env(|device| {
         let mut c = cfg.clone();

@@ -278,7 +278,7 @@ fn short_timeout_backend(ctx: &RankCtx, name: &str) -> anyhow::Result<(u64, Nccl
     let cfg = ctx
         .config()
         .with_collective_timeout(TIMEOUT)
-        .with_one_shot(OneShotPolicy::DEFAULT);
+        .with_one_shot(crate::ONE_SHOT_TO_1M);
     let b = one_shot_backend(ctx, name, cfg)?;
     one_ok(ctx, &b, seed, 1, 1000)?;
     Ok((seed, b))
@@ -294,7 +294,7 @@ pub fn streams(ctx: &RankCtx) -> anyhow::Result<()> {
     let b = one_shot_backend(
         ctx,
         "oneshot-streams",
-        ctx.config().with_one_shot(OneShotPolicy::DEFAULT),
+        ctx.config().with_one_shot(crate::ONE_SHOT_TO_1M),
     )?;
     let (s1, s2, s3) = (
         Stream::new(b.context())?,

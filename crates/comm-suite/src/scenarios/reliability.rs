@@ -539,7 +539,7 @@ pub fn sigkill_rank(ctx: &RankCtx) -> anyhow::Result<()> {
             "needs one process per rank (processes or socket mode)",
         ));
     }
-    let mut cfg = short(ctx).with_one_shot(OneShotPolicy::DEFAULT);
+    let mut cfg = short(ctx).with_one_shot(crate::ONE_SHOT_TO_1M);
     cfg.shutdown_timeout = SIGKILL_SHUTDOWN;
     let b = ctx.backend("sigkill", cfg)?;
     let mut big = DeviceBuffer::<bf16>::alloc(b.context(), 1 << 20)?;

@@ -459,6 +459,18 @@ fn run(e: Elem, (ctrl, data, n, lane): (u64, u64, usize, u32), tag: u64) -> Opti
         }
     }
 
+    // An injected corruption (`fault::Fault::Corrupt`): the first word of
+    // the result is wrong, as from a GPU whose peer memory misbehaves.
+    if crate::fault::take_corrupt(rank as i32) {
+        memory::access(&[data_span], || {
+            // SAFETY: `data` holds `n` values (the span).
+            let mut w = unsafe { load_unit(e, data, n, 0) };
+            w[0] ^= 0x0001_0001;
+            // SAFETY: as above.
+            unsafe { store_unit(e, data, n, 0, w) };
+        })?;
+    }
+
     // 4. Free the lane at the next epoch, in one store.
     // SAFETY: the lane lies inside the control block (the span).
     memory::access(&[ctrl_span], || unsafe {

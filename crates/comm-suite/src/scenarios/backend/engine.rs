@@ -10,9 +10,7 @@ use std::sync::Arc;
 
 use anyhow::{Context as _, bail, ensure};
 use half::bf16;
-use metrale_comm::{
-    AllReducePath, CommBackend, CommError, LocalBackend, NcclBackend, OneShotPolicy,
-};
+use metrale_comm::{AllReducePath, CommBackend, CommError, LocalBackend, NcclBackend};
 use nccl_safe::DeviceBuffer;
 
 use crate::RankCtx;
@@ -113,7 +111,7 @@ fn fixed_id_one_shot_off(ctx: &RankCtx) -> anyhow::Result<()> {
     let (w, r) = (ctx.world_size, ctx.rank);
     ctx.step("the one-shot path over a fixed unique id");
     let id = ctx.unique_id("fixed-id one-shot")?;
-    let cfg = ctx.config().with_one_shot(OneShotPolicy::DEFAULT);
+    let cfg = ctx.config().with_one_shot(crate::ONE_SHOT_TO_1M);
     let b = NcclBackend::with_unique_id(cfg, &id, r, w)?;
     let child = b
         .split_backend(Some(0), r)?

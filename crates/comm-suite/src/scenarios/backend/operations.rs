@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::ensure;
 use half::bf16;
 use metrale_comm::AddKernel;
-use metrale_comm::{CommBackend, EnqueueMode, FastPathPolicy, NcclBackend};
+use metrale_comm::{CommBackend, EnqueueMode, NcclBackend};
 use nccl_safe::{DataType, DeviceBuffer, Stream};
 
 use super::WAIT;
@@ -68,7 +68,7 @@ pub(super) fn every_operation_with(ctx: &RankCtx, mode: EnqueueMode) -> anyhow::
     let b = ctx.backend(
         &format!("ops-{mode:?}"),
         ctx.config()
-            .with_fast_path(FastPathPolicy::DEFAULT)
+            .with_fast_path(crate::FAST_PATH_WINDOW)
             .with_enqueue(mode),
     )?;
     let c = b.context().clone();

@@ -62,8 +62,9 @@ impl BackendSpec {
         let (policy, one_shot) = match self.policy {
             Policy::Always | Policy::Chunked => (FastPathPolicy::Always, OneShotPolicy::Never),
             Policy::Never => (FastPathPolicy::Never, OneShotPolicy::Never),
-            Policy::Default => (FastPathPolicy::DEFAULT, OneShotPolicy::Never),
-            Policy::OneShot => (FastPathPolicy::DEFAULT, OneShotPolicy::DEFAULT),
+            // The library's default: both paths tuned on the machine.
+            Policy::Default => (FastPathPolicy::Auto, OneShotPolicy::Auto),
+            Policy::OneShot => (crate::FAST_PATH_WINDOW, crate::ONE_SHOT_TO_1M),
             Policy::OneShotAlways => (FastPathPolicy::Never, OneShotPolicy::Always),
         };
         let mode = if self.blocking {
@@ -77,7 +78,8 @@ impl BackendSpec {
             .with_init_timeout(INIT_TIMEOUT)
             .with_fast_path(policy)
             .with_one_shot(one_shot)
-            .with_enqueue(mode);
+            .with_enqueue(mode)
+            .with_tune(true);
         c.shutdown_timeout = SHUTDOWN_TIMEOUT;
         if self.policy == Policy::Chunked {
             c = c.with_scratch_bytes(256 << 10);
@@ -91,7 +93,7 @@ impl fmt::Display for BackendSpec {
         let policy = match self.policy {
             Policy::Always => "fast path always",
             Policy::Never => "fast path never",
-            Policy::Default => "fast path by default (2-4 MiB)",
+            Policy::Default => "the default: one-shot and fast path where tuned",
             Policy::Chunked => "fast path always, 256 KiB scratch",
             Policy::OneShot => "one-shot up to 1 MiB, fast path by default, NCCL above",
             Policy::OneShotAlways => "one-shot always (chunked past 1 MiB), no fast path",

@@ -182,7 +182,7 @@ fn four_threads(ctx: &RankCtx, seed: u64) -> anyhow::Result<(Vec<String>, usize,
     let cfg = ctx
         .config()
         .with_collective_timeout(Duration::from_secs(10))
-        .with_fast_path(FastPathPolicy::DEFAULT);
+        .with_fast_path(crate::FAST_PATH_WINDOW);
     let b = ctx.backend("int-streams-threads", cfg)?;
     let path = b.all_reduce_path(BYTES);
     ensure!(
