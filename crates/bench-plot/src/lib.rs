@@ -289,7 +289,13 @@ impl Scale {
                 }
             }
         }
-        (a, b, ticks)
+        // Room beside the end ticks of a base-2 axis, whose labels are
+        // wide and whose data often sits on them.
+        let pad = match self {
+            Scale::Bytes | Scale::Count => 0.3,
+            Scale::Decimal => 0.0,
+        };
+        (a - pad, b + pad, ticks)
     }
 
     fn label(self, l: f64) -> String {
