@@ -70,7 +70,7 @@ impl<E: std::error::Error + Send + Sync> From<DrawingAreaErrorKind<E>> for PlotE
 pub struct Meta {
     /// The machine, in words (`2 × NVIDIA H200`).
     pub machine: String,
-    /// The date of the run (`2026-12-03`).
+    /// The date of the run (`YYYY-MM-DD`).
     pub date: String,
 }
 
@@ -247,7 +247,7 @@ impl Scale {
         }
     }
 
-    fn from_log(self, l: f64) -> f64 {
+    fn unlog(self, l: f64) -> f64 {
         match self {
             Scale::Bytes | Scale::Count => l.exp2(),
             Scale::Decimal => 10f64.powf(l),
@@ -299,7 +299,7 @@ impl Scale {
     }
 
     fn label(self, l: f64) -> String {
-        let v = self.from_log(l);
+        let v = self.unlog(l);
         match self {
             Scale::Bytes => human_bytes(v.round() as u64),
             Scale::Count => thousands(v.round() as u64),
