@@ -21,6 +21,10 @@
 //! committed PTX: a change to `one_shot.cu` compiled with `cargo xtask
 //! ptx` can be timed against the committed one on a box without Rust.
 //!
+//! After the run its table and plot go beside criterion's directory's
+//! groups: `one-shot-local.md` and `one-shot-local.svg` in it
+//! (`metrale_benches::plots::one_shot_local`, from this run's estimates).
+//!
 //! Invariants: every (k, size) starts from data checked once against the
 //! host reference; timed calls sum in place without refilling (the GPU's
 //! time does not depend on the values); every wait is bounded; without a
@@ -30,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use comm_suite::data::SuiteElem;
 use comm_suite::one_shot_local::{LANE_EAGER, LocalOneShot};
-use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group};
 use half::{bf16, f16};
 use metrale_comm::kernels::{self, OneShotElement};
 use nccl_safe::{Context, DeviceBuffer, GraphExec, Module, Stream};
@@ -45,6 +49,9 @@ fn one_shot_local(c: &mut Criterion) {
     if let Err(e) = nccl_safe::device_count() {
         println!("one_shot_local: no CUDA driver ({e}); nothing to measure");
         return;
+    }
+    if let Ok(d) = nccl_safe::device_info(0) {
+        *DEVICE.lock() = d.name;
     }
     let ctx = Context::new(0).expect("device 0");
     let ptx = match std::env::var_os("METRALE_ONE_SHOT_PTX") {
@@ -238,4 +245,35 @@ mod group {
         targets = one_shot_local
     }
 }
-criterion_main!(group::benches);
+/// Device 0's name, for the plot's title.
+static DEVICE: parking_lot::Mutex<String> = parking_lot::Mutex::new(String::new());
+
+/// Criterion's `main`, then this run's table and plot.
+fn main() {
+    let started = metrale_benches::tables::RunInfo::now_unix();
+    group::benches();
+    Criterion::default().configure_from_args().final_summary();
+    let device = DEVICE.lock().clone();
+    if device.is_empty() {
+        return;
+    }
+    let dir = metrale_benches::tables::criterion_dir();
+    let written = metrale_benches::tables::read_entries(&dir, started.saturating_sub(1), None)
+        .and_then(|entries| {
+            let date = bench_plot::date_utc(started);
+            metrale_benches::plots::one_shot_local(&entries, &format!("1 × {device}"), &date)
+        });
+    match written {
+        Ok(Some((md, svg))) => {
+            for (name, text) in [("one-shot-local.md", md), ("one-shot-local.svg", svg)] {
+                let path = dir.join(name);
+                match std::fs::write(&path, text) {
+                    Ok(()) => println!("one_shot_local: wrote {}", path.display()),
+                    Err(e) => eprintln!("one_shot_local: writing {}: {e}", path.display()),
+                }
+            }
+        }
+        Ok(None) => {}
+        Err(e) => eprintln!("one_shot_local: the table and plot: {e:#}"),
+    }
+}

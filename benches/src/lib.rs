@@ -1,7 +1,7 @@
 //! The metrale-comm benchmarks: the criterion harness of the collectives
 //! ([`collectives`], run by `benches/collectives.rs`), the table generator
-//! that reads criterion's estimates ([`tables`], the `bench-tables` binary),
-//! and the pieces they share with `gpu-bench` (host time per call) and the
+//! that reads criterion's estimates ([`tables`], the `bench-tables` binary)
+//! and the run's plots ([`plots`], SVG beside the tables), and the pieces they share with `gpu-bench` (host time per call) and the
 //! CPU benchmarks: the size series, the nccl-tests bandwidth formulas, trial
 //! statistics and the crossover analysis of the 2-rank all-reduce paths.
 //!
@@ -13,6 +13,7 @@
 //! least one trial; a [`Timing`] is finite and non-negative.
 
 pub mod collectives;
+pub mod plots;
 pub mod tables;
 
 /// A collective, for choosing its bus-bandwidth factor.

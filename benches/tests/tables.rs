@@ -135,3 +135,41 @@ fn copy_dir(from: &Path, to: &Path) {
         }
     }
 }
+
+#[test]
+fn bench_tables_writes_the_run_s_plots_beside_its_table() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("tables-plots");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("tables.md");
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_bench-tables"))
+        .arg(fixture())
+        .arg("--out")
+        .arg(&out)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert!(out.is_file());
+    let read = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap();
+    // The paths group of the fixture (eager): NCCL (`never`) and the fast
+    // path (`always`); the machine is the run's GPUs.
+    let svg = read("tables-all-reduce.svg");
+    for want in [
+        "NCCL, eager",
+        "fast path, eager",
+        "2 × Metrale emulated GPU",
+        "(µs, log scale)",
+    ] {
+        assert!(svg.contains(want), "all-reduce plot: {want}");
+    }
+    // Bus bandwidth: the eager all-reduce, the graph send/recv.
+    let svg = read("tables-busbw-eager.svg");
+    for want in ["all_reduce, ours", "all_reduce, raw NCCL", "(GB/s"] {
+        assert!(svg.contains(want), "eager bandwidth plot: {want}");
+    }
+    let svg = read("tables-busbw-graph.svg");
+    assert!(svg.contains("send_recv, ours") && svg.contains("send_recv, raw NCCL"));
+    assert!(!svg.contains("all_reduce, ours"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -258,7 +258,9 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 #   OUT/tables*.md         the nccl-tests-style tables, from criterion's estimates
 #   OUT/host-costs*.md     gpu-bench: host time per call
 #   OUT/cpu*.log           the CPU bench (--cpu)
-#   OUT/one-shot-local*.log the one-shot kernel on one GPU, ranks simulated (--one-shot-local)
+#   OUT/tables*-all-reduce.svg, OUT/tables*-busbw-{eager,graph}.svg  the tables' plots
+#   OUT/one-shot-local*.log the one-shot kernel on one GPU, ranks simulated (--one-shot-local),
+#                          its table and plot in OUT/one-shot-local*.{md,svg}
 #   OUT/nccl-tests*.txt    NVIDIA's nccl-tests beside them (--nccl-tests DIR)
 # usage: ./run.sh OUT [--quick] [--cpu] [--one-shot-local] [--no-host-costs] [--nccl-tests DIR]
 #                     [--save-baseline NAME | --baseline NAME] [CRITERION_ARGS...]
@@ -269,7 +271,7 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 mkdir -p "$1" && out="$(cd "$1" && pwd)" || exit 2
@@ -305,6 +307,9 @@ if [ "$cpu" = 1 ]; then
 fi
 if [ "$local" = 1 ]; then
     "$here/one_shot_local" --bench "${base[@]}" 2>&1 | tee "$out/one-shot-local$suffix.log" || status=1
+    for f in md svg; do
+        [ -f "$CRITERION_HOME/one-shot-local.$f" ] && cp "$CRITERION_HOME/one-shot-local.$f" "$out/one-shot-local$suffix.$f"
+    done
 fi
 if [ -n "$nccl_tests" ]; then
     n="${METRALE_BENCH_GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}"
@@ -335,8 +340,9 @@ set METRALE_NCCL_LIBRARY to use another libnccl):
     ./run.sh OUT all_reduce/            # criterion's filter: one operation
 
 OUT gets criterion's report folder (criterion/ and criterion.tar.gz), the
-tables (tables.md: time, algbw, busbw, ours/raw and noise per size), the
-logs and gpu-bench's host time per call. With no GPU or no NCCL the
+tables (tables.md: time, algbw, busbw, ours/raw and noise per size) and
+their plots (tables-all-reduce.svg, tables-busbw-eager.svg,
+tables-busbw-graph.svg), the logs and gpu-bench's host time per call. With no GPU or no NCCL the
 benches say so in one line and exit 0. NCCL_NVLS_ENABLE=0 is set by
 run.sh. No Rust toolchain is needed.
 ";

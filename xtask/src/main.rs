@@ -6,6 +6,7 @@ mod bindgen_cmd;
 mod diagnose;
 mod gpu_box;
 mod gpu_test;
+mod plot;
 mod probe;
 mod ptx;
 mod store_box;
@@ -27,6 +28,8 @@ commands:
                       name the first operation the ranks disagree on
   store-bundle DIR    build the rendezvous store's checks for a box with torch
                       (client suite, store bench, torchrun on the emulator)
+  plot store FILE     the store's time to barrier from a store table, as SVG
+  plot docs [--check] redraw docs/plots/*.svg from docs/benchmarks.md's tables
 ";
 
 fn main() {
@@ -54,6 +57,7 @@ fn run(args: &[String]) -> anyhow::Result<i32> {
         "bench" => bench::run(rest),
         "diagnose" => diagnose::run(rest),
         "store-bundle" => store_box::run(rest),
+        "plot" => plot::run(rest),
         "help" | "--help" | "-h" => {
             print!("{USAGE}");
             Ok(0)

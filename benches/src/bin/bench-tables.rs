@@ -2,8 +2,13 @@
 //! of the last collectives run, from criterion's estimates under DIR
 //! (default: criterion's directory, found as criterion finds it).
 //!
-//! Invariant: it reads criterion's files and writes markdown; it measures
-//! nothing (`metrale_benches::tables`).
+//! With `--out FILE` the run's plots go beside FILE as SVG
+//! (`metrale_benches::plots`): `FILE-all-reduce.svg`, the all-reduce time
+//! per path, and `FILE-busbw-{eager,graph}.svg`, the bus bandwidth beside
+//! raw NCCL's (FILE's extension dropped).
+//!
+//! Invariant: it reads criterion's files and writes markdown and SVG; it
+//! measures nothing (`metrale_benches::tables`).
 
 use std::path::PathBuf;
 
@@ -14,7 +19,8 @@ usage: bench-tables [DIR] [--out FILE] [--all] [--baseline NAME]
 
 Prints the tables of the last `collectives` run from criterion's estimates
 under DIR (default: $CRITERION_HOME, else the cargo target's criterion/).
---out FILE also writes them to FILE; --all reads every benchmark in DIR,
+--out FILE also writes them to FILE, and the run's plots beside it
+(FILE-all-reduce.svg, FILE-busbw-eager.svg, FILE-busbw-graph.svg); --all reads every benchmark in DIR,
 not only those of the last run; --baseline NAME adds each benchmark's
 change against criterion's saved baseline NAME.
 ";
@@ -58,6 +64,11 @@ fn run() -> anyhow::Result<i32> {
     print!("{text}");
     if let Some(out) = out {
         std::fs::write(&out, &text).with_context(|| format!("writing {}", out.display()))?;
+        for (name, svg) in metrale_benches::plots::collectives(&info, &entries, &[])? {
+            let path = metrale_benches::plots::svg_path(&out, &name);
+            std::fs::write(&path, svg).with_context(|| format!("writing {}", path.display()))?;
+            eprintln!("bench-tables: wrote {}", path.display());
+        }
     }
     Ok(0)
 }
