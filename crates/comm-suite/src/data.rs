@@ -170,7 +170,22 @@ pub fn all_reduce_reference<T: SuiteElem>(
     inputs: &[Vec<T>],
 ) -> Vec<T> {
     let bytes = inputs.first().map_or(0, |v| v.len() * T::DATA_TYPE.size());
-    if b.all_reduce_path_of(T::DATA_TYPE, bytes) == metrale_comm::AllReducePath::OneShot
+    reference_on(b.all_reduce_path_of(T::DATA_TYPE, bytes), inputs)
+}
+
+/// The same for an all-reduce captured into a CUDA graph (whose path the
+/// tuned table may choose apart from the eager one's).
+pub fn captured_all_reduce_reference<T: SuiteElem>(
+    b: &metrale_comm::NcclBackend,
+    inputs: &[Vec<T>],
+) -> Vec<T> {
+    let bytes = inputs.first().map_or(0, |v| v.len() * T::DATA_TYPE.size());
+    reference_on(b.all_reduce_path_captured(T::DATA_TYPE, bytes), inputs)
+}
+
+/// The host reference of a sum all-reduce of `inputs` on `path`.
+fn reference_on<T: SuiteElem>(path: metrale_comm::AllReducePath, inputs: &[Vec<T>]) -> Vec<T> {
+    if path == metrale_comm::AllReducePath::OneShot
         && let Some(sum) = T::one_shot_sum(inputs)
     {
         return sum;

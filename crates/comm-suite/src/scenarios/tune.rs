@@ -28,7 +28,9 @@ use nccl_safe::{DataType, DeviceBuffer, Stream};
 
 use super::exact;
 use crate::RankCtx;
-use crate::data::{POISON_BYTE, check, random_vec, sum_in_rank_order};
+use crate::data::{
+    POISON_BYTE, all_reduce_reference, captured_all_reduce_reference, check, random_vec,
+};
 use crate::emu::{Cost, CostMode, CostOp, EmuControl, Fault};
 
 use AllReducePath::{FastPath, Nccl, OneShot};
@@ -384,7 +386,7 @@ fn verify(ctx: &RankCtx, b: &NcclBackend, what: &str) -> anyhow::Result<()> {
                 b.all_reduce_path(bytes)
             ),
             &buf.to_host_vec()?,
-            &sum_in_rank_order(&inputs),
+            &all_reduce_reference(b, &inputs),
             exact(ctx),
             w,
         )?;
@@ -409,7 +411,7 @@ fn verify(ctx: &RankCtx, b: &NcclBackend, what: &str) -> anyhow::Result<()> {
         check(
             &format!("{what}: graph replay {replay}"),
             &buf.to_host_vec()?,
-            &sum_in_rank_order(&inputs),
+            &captured_all_reduce_reference(b, &inputs),
             exact(ctx),
             w,
         )?;
