@@ -21,6 +21,11 @@
 //! committed PTX: a change to `one_shot.cu` compiled with `cargo xtask
 //! ptx` can be timed against the committed one on a box without Rust.
 //!
+//! Beside criterion, the path tuner's own timing method
+//! (`metrale_comm::timing`) measures the same eager and graph calls; after
+//! the run both figures go side by side into `tuner-vs-criterion.md` in
+//! criterion's directory (the tuner must read what criterion reads).
+//!
 //! After the run its table and plot go beside criterion's directory's
 //! groups: `one-shot-local.md` and `one-shot-local.svg` in it
 //! (`metrale_benches::plots::one_shot_local`, from this run's estimates).
@@ -37,6 +42,7 @@ use comm_suite::one_shot_local::{LANE_EAGER, LocalOneShot};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group};
 use half::{bf16, f16};
 use metrale_comm::kernels::{self, OneShotElement};
+use metrale_comm::timing::{self, Trials};
 use nccl_safe::{Context, DeviceBuffer, GraphExec, Module, Stream};
 
 /// Calls per rank in one captured graph.
@@ -89,6 +95,7 @@ fn one_shot_local(c: &mut Criterion) {
         }
         eager.finish();
         graphs(c, &format!("one_shot_local/graph/k{k}"), &g, &f, false);
+        tuner_method(&ctx, &g, &f, k).expect("the tuner's timing method");
         graphs(
             c,
             &format!("one_shot_local/graph_serial/k{k}"),
@@ -159,6 +166,66 @@ fn typed_graphs<T: OneShotElement + SuiteElem>(
     g.wait().expect("wait");
     g.check("the first call", &inputs).expect("the sum");
     graphs(c, &format!("one_shot_local/{group}/k2"), &g, &f, false);
+}
+
+/// The tuner's timing method (`metrale_comm::timing`: device events around
+/// a trial, the median of its trials) on the same calls as criterion's
+/// `eager/k{k}` and `graph/k{k}` groups, kept for the comparison `main`
+/// writes after criterion's run.
+fn tuner_method(
+    ctx: &std::sync::Arc<Context>,
+    g: &LocalOneShot<bf16>,
+    f: &nccl_safe::Function,
+    k: usize,
+) -> anyhow::Result<()> {
+    let streams: Vec<&Stream> = (0..k).map(|r| g.stream(r)).collect();
+    let wait = Duration::from_secs(30);
+    for bytes in SIZES {
+        let n = bytes / 2;
+        let trials = Trials::for_bytes(bytes);
+        let eager = timing::time_per_call(ctx, &streams, trials, wait, || {
+            (0..trials.calls).try_for_each(|_| g.launch_all(f, n, LANE_EAGER))
+        })?;
+        let execs: Vec<GraphExec> = (0..k)
+            .map(|r| g.capture(f, r, n, trials.calls))
+            .collect::<anyhow::Result<_>>()?;
+        let graph = timing::time_per_call(ctx, &streams, trials, wait, || {
+            execs
+                .iter()
+                .enumerate()
+                .try_for_each(|(r, e)| e.launch(g.stream(r)).map_err(anyhow::Error::from))
+        })?;
+        let mut kept = TUNER.lock();
+        kept.push((format!("one_shot_local/eager/k{k}"), bytes, eager));
+        kept.push((format!("one_shot_local/graph/k{k}"), bytes, graph));
+    }
+    Ok(())
+}
+
+/// The tuner method's figures: (criterion group, bytes, time per call).
+static TUNER: parking_lot::Mutex<Vec<(String, usize, Duration)>> =
+    parking_lot::Mutex::new(Vec::new());
+
+/// The tuner method's figures beside criterion's, as a markdown table.
+fn tuner_vs_criterion(entries: &[metrale_benches::tables::Entry]) -> String {
+    let mut out = String::from(
+        "| group | bytes | criterion (us) | tuner method (us) | difference |\n|---|---:|---:|---:|---:|\n",
+    );
+    for (group, bytes, t) in TUNER.lock().iter() {
+        let Some(e) = entries
+            .iter()
+            .find(|e| &e.group == group && e.param.as_deref() == Some(&bytes.to_string()))
+        else {
+            continue;
+        };
+        let ours = t.as_secs_f64() * 1e6;
+        out.push_str(&format!(
+            "| {group} | {bytes} | {:.2} | {ours:.2} | {:+.1} % |\n",
+            e.time.us,
+            (ours / e.time.us - 1.0) * 100.0
+        ));
+    }
+    out
 }
 
 /// Replays every rank's graph until `iters` calls ran; the time scaled to
@@ -258,11 +325,19 @@ fn main() {
         return;
     }
     let dir = metrale_benches::tables::criterion_dir();
-    let written = metrale_benches::tables::read_entries(&dir, started.saturating_sub(1), None)
-        .and_then(|entries| {
-            let date = bench_plot::date_utc(started);
-            metrale_benches::plots::one_shot_local(&entries, &format!("1 × {device}"), &date)
-        });
+    let entries = metrale_benches::tables::read_entries(&dir, started.saturating_sub(1), None);
+    if let Ok(entries) = &entries {
+        let table = tuner_vs_criterion(entries);
+        println!("one_shot_local: the tuner's timing method beside criterion\n{table}");
+        let path = dir.join("tuner-vs-criterion.md");
+        if let Err(e) = std::fs::write(&path, table) {
+            eprintln!("one_shot_local: writing {}: {e}", path.display());
+        }
+    }
+    let written = entries.and_then(|entries| {
+        let date = bench_plot::date_utc(started);
+        metrale_benches::plots::one_shot_local(&entries, &format!("1 × {device}"), &date)
+    });
     match written {
         Ok(Some((md, svg))) => {
             for (name, text) in [("one-shot-local.md", md), ("one-shot-local.svg", svg)] {

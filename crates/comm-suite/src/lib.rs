@@ -22,6 +22,7 @@ pub mod emu;
 pub mod one_shot_local;
 pub mod orchestrator;
 pub mod scenarios;
+pub mod tune_report;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

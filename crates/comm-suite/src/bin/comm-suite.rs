@@ -1,6 +1,7 @@
 //! `comm-suite`: the suite's one binary. `list` prints the scenarios; `run`
 //! is the orchestrator (what `cargo xtask gpu-test` and the bundle's run.sh
-//! call); `rank` and `threads` are the child entry points it spawns.
+//! call); `rank` and `threads` are the child entry points it spawns;
+//! `tune` prints the path tuner's table on this machine.
 //!
 //! Invariant: exits 0 only when nothing failed; 2 on usage errors.
 
@@ -16,6 +17,7 @@ usage: comm-suite list
            (torchrun mode: --torchrun, else TORCHRUN, else /opt/torch/.venv/bin/torchrun)
        comm-suite rank --scenario NAME [--emulator]         (one rank; torchrun env)
        comm-suite threads --world N --scenario NAME [--timeout SECS] [--emulator]
+       comm-suite tune [--gpus N] [--emulator]     (the path tuner's table and its set-up cost)
 ";
 
 fn main() {
@@ -99,6 +101,7 @@ fn real_main(args: &[String]) -> anyhow::Result<i32> {
             Ok(0)
         }
         "run" => orchestrator::run(&opts),
+        "tune" => comm_suite::tune_report::run(opts.gpus, opts.emulator),
         "rank" => orchestrator::rank_main(
             &scenario.ok_or_else(|| anyhow::anyhow!("rank needs --scenario"))?,
             opts.emulator,

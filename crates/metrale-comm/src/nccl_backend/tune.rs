@@ -97,7 +97,11 @@ impl Inner {
             CommError::setup(stage, e)
         };
         // 1-2: the key, and whether every rank has the same good table.
-        let local = LocalKey::of(self.config.device, self.settings_word(slot));
+        let local = LocalKey::of(
+            self.config.device,
+            self.settings_word(slot),
+            self.config.enqueue,
+        );
         let words = self
             .gather_words(slot, &[local.word()], deadline)
             .map_err(|e| fail("path tuner key exchange", e))?;
@@ -304,10 +308,17 @@ impl Inner {
         slot.stream
             .wait_until_idle(deadline.saturating_duration_since(Instant::now()))?;
         let got = buf.to_host_vec()?;
-        let want: Vec<f32> = (0..n)
-            .map(|i| (0..self.world_size).map(|r| value(r, i, salt)).sum::<f32>())
+        // The inputs repeat every PERIOD elements, and so does the sum.
+        let want: Vec<u16> = (0..PERIOD)
+            .map(|i| {
+                let sum = (0..self.world_size).map(|r| value(r, i, salt)).sum::<f32>();
+                bf16::from_f32(sum).to_bits()
+            })
             .collect();
-        let bad = got.iter().zip(&want).position(|(g, w)| g.to_f32() != *w);
+        let bad = got
+            .iter()
+            .zip(want.iter().cycle())
+            .position(|(g, w)| g.to_bits() != *w);
         if let Some(i) = bad {
             tracing::warn!(
                 rank = self.rank,
@@ -315,7 +326,7 @@ impl Inner {
                 "path tuner: {path:?} gave element {i} = {}, expected {}; the path is \
                  not taken at this size",
                 got[i],
-                want[i]
+                bf16::from_bits(want[i % PERIOD])
             );
         }
         Ok(bad.is_none())
@@ -446,16 +457,21 @@ fn span_of(buf: &DeviceBuffer<bf16>) -> Span {
     }
 }
 
+/// The period of the check inputs, in elements.
+const PERIOD: usize = 15;
+
 /// Rank `rank`'s check input at element `i`: small integers, so that every
-/// sum over up to 8 ranks is exact in bf16.
+/// sum over up to 8 ranks is exact in bf16 (the same in every path's
+/// arithmetic), repeating every [`PERIOD`] elements.
 fn value(rank: usize, i: usize, salt: usize) -> f32 {
-    ((i * 7 + rank * 3 + salt) % 15) as f32 - 7.0
+    ((i * 7 + rank * 3 + salt) % PERIOD) as f32 - 7.0
 }
 
 fn pattern(rank: usize, n: usize, salt: usize) -> Vec<bf16> {
-    (0..n)
+    let period: Vec<bf16> = (0..PERIOD)
         .map(|i| bf16::from_f32(value(rank, i, salt)))
-        .collect()
+        .collect();
+    period.iter().copied().cycle().take(n).collect()
 }
 
 /// This rank's part of the results exchange.

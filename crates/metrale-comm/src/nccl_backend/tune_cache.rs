@@ -7,8 +7,9 @@
 //! world key at set-up): the library's version, a hash of the kernels'
 //! PTX, the GPU's model and compute capability, the driver's and NCCL's
 //! versions, the device's PCI bus id and its peer access to every device
-//! the process sees (by bus id), and the settings word (policies, scratch
-//! size, add kernel). The world key adds the world size and every rank's
+//! the process sees (by bus id), the settings word (policies, scratch
+//! size, add kernel) and the enqueue mode (a non-blocking communicator's
+//! calls cost more). The world key adds the world size and every rank's
 //! key in rank order.
 //!
 //! Invariants:
@@ -46,7 +47,7 @@ impl LocalKey {
     /// This rank's key on `device` with `settings` (the census's settings
     /// word). A driver query that fails is named in the key as failed, so
     /// such a key never matches a healthy one's file.
-    pub(super) fn of(device: usize, settings: u64) -> LocalKey {
+    pub(super) fn of(device: usize, settings: u64, enqueue: crate::EnqueueMode) -> LocalKey {
         let info = nccl_safe::device_info(device)
             .map(|i| {
                 format!(
@@ -68,7 +69,7 @@ impl LocalKey {
         LocalKey {
             text: format!(
                 "metrale-comm {}; kernels {kernels:016x}; gpu {info}; bus {bus}; driver {driver}; \
-                 nccl {nccl}; peers {peers}; settings {settings:016x}",
+                 nccl {nccl}; peers {peers}; settings {settings:016x}; enqueue {enqueue:?}",
                 env!("CARGO_PKG_VERSION")
             ),
         }
