@@ -10,6 +10,7 @@ mod plot;
 mod probe;
 mod ptx;
 mod store_box;
+mod tune;
 
 use std::path::{Path, PathBuf};
 
@@ -30,6 +31,8 @@ commands:
                       (client suite, store bench, torchrun on the emulator)
   plot store FILE     the store's time to barrier from a store table, as SVG
   plot docs [--check] redraw docs/plots/*.svg from docs/benchmarks.md's tables
+  tune [opts]         print the path tuner's table and set-up cost on this box's
+                      GPUs, or build it into a bundle (--help)
 ";
 
 fn main() {
@@ -58,6 +61,7 @@ fn run(args: &[String]) -> anyhow::Result<i32> {
         "diagnose" => diagnose::run(rest),
         "store-bundle" => store_box::run(rest),
         "plot" => plot::run(rest),
+        "tune" => tune::run(rest),
         "help" | "--help" | "-h" => {
             print!("{USAGE}");
             Ok(0)
