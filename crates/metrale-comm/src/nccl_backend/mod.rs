@@ -105,7 +105,7 @@ use crate::rendezvous::{FixedIdRendezvous, Launch, Rendezvous, TcpRendezvous};
 use calls::Calls;
 use fast_path::FastPath;
 pub use hosts::HOST_ID_ENV;
-pub use path::AllReducePath;
+pub use path_table::AllReducePath;
 pub use path_table::{
     LaunchMode, MARGIN_FRACTION, MARGIN_NS, PathRange, PathTable, Rung, TIMED_PATHS,
 };

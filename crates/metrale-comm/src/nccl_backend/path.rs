@@ -23,26 +23,12 @@
 
 use nccl_safe::{DataType, ReduceOp};
 
-use super::path_table::{LaunchMode, PathTable};
+use super::path_table::{AllReducePath, LaunchMode, PathTable};
 use super::submission::{Capture, Target};
 use super::{Inner, NcclBackend, Slot};
 use crate::config::{FastPathPolicy, OneShotPolicy};
 use crate::kernels;
 use crate::validate::Span;
-
-/// Which algorithm an all-reduce takes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum AllReducePath {
-    /// NCCL's all-reduce.
-    Nccl,
-    /// Grouped send/recv into the scratch buffer, then the bf16 add kernel.
-    FastPath,
-    /// Every rank pushes its input into every peer's buffer and sums them
-    /// all (bf16, f16 and f32; 2 to 8 ranks of one node, peer access
-    /// proven at set-up).
-    OneShot,
-}
 
 /// Where an all-reduce's payload lies, for the choice.
 #[derive(Clone, Copy)]

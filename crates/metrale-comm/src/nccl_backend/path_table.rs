@@ -23,7 +23,19 @@
 
 use std::fmt;
 
-use super::path::AllReducePath;
+/// Which algorithm an all-reduce takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AllReducePath {
+    /// NCCL's all-reduce.
+    Nccl,
+    /// Grouped send/recv into the scratch buffer, then the bf16 add kernel.
+    FastPath,
+    /// Every rank pushes its input into every peer's buffer and sums them
+    /// all (bf16, f16 and f32; 2 to 8 ranks of one node, peer access
+    /// proven at set-up).
+    OneShot,
+}
 
 /// How much faster than NCCL's all-reduce, as a fraction of NCCL's time,
 /// a path must be at a size to take it there.

@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 use half::bf16;
 use nccl_safe::{DataType, DeviceBuffer};
 
-use super::path::AllReducePath;
+use super::path_table::AllReducePath;
 use super::path_table::{LaunchMode, PathTable, Rung, TIMED_PATHS, ladder, path_index};
 use super::submission::{Capture, Target};
 use super::tune_cache::{self, Cached, LocalKey, Miss};
