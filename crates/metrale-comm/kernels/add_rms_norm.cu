@@ -28,6 +28,7 @@
 // same thread in the second (no register limit on hidden); vector loads
 // when a row's address is 16-byte aligned.
 
+#include "abi.h"
 #include "norm.cuh"
 
 // The ABI this module was compiled against (crates/kernel-abi).

@@ -191,6 +191,74 @@ pub(crate) fn add_kernel(op: &'static str, kernel: &AddKernel) -> Result<()> {
     Ok(())
 }
 
+/// `all_reduce_add_rms_norm`: `x` and `residual` valid views of one type
+/// the kernels take (bf16, f16, f32) and one length, a whole number of
+/// rows of `hidden` = `weight`'s length (1 to the kernels' limit), `weight`
+/// of the same type, and a finite, positive `eps`. Returns the launch's
+/// arguments.
+pub(crate) fn add_rms_norm(
+    op: &'static str,
+    x: Span,
+    residual: Span,
+    weight: Span,
+    eps: f32,
+) -> Result<crate::norm::NormArgs> {
+    check_view(op, "x", x)?;
+    check_view(op, "residual", residual)?;
+    check_view(op, "weight", weight)?;
+    if crate::norm::add_rms_norm_name(x.dtype).is_none() {
+        return Err(invalid(
+            op,
+            format!("x holds {}; the norm takes bf16, f16 or f32", x.dtype),
+        ));
+    }
+    check_pair(op, ("x", x), ("residual", residual), 1)?;
+    if weight.dtype != x.dtype {
+        return Err(invalid(
+            op,
+            format!("x holds {} but weight holds {}", x.dtype, weight.dtype),
+        ));
+    }
+    let hidden = weight.len;
+    if hidden == 0 || hidden > crate::norm::MAX_HIDDEN {
+        return Err(invalid(
+            op,
+            format!(
+                "weight holds {hidden} values: hidden must be 1 to {}",
+                crate::norm::MAX_HIDDEN
+            ),
+        ));
+    }
+    if !x.len.is_multiple_of(hidden) {
+        return Err(invalid(
+            op,
+            format!(
+                "x holds {} values, not a whole number of rows of hidden = {hidden} (weight's length)",
+                x.len
+            ),
+        ));
+    }
+    if !eps.is_finite() || eps <= 0.0 {
+        return Err(invalid(op, format!("eps {eps} is not finite and positive")));
+    }
+    let (lo, hi) = (x.ptr, x.ptr + x.bytes() as u64);
+    for (name, other) in [("residual", residual), ("weight", weight)] {
+        let (a, b) = (other.ptr, other.ptr + other.bytes() as u64);
+        if x.len > 0 && other.len > 0 && a < hi && lo < b {
+            return Err(invalid(op, format!("{name} overlaps x")));
+        }
+    }
+    Ok(crate::norm::NormArgs {
+        x: x.ptr,
+        residual: residual.ptr,
+        weight: weight.ptr,
+        hidden,
+        rows: x.len / hidden,
+        eps,
+        dtype: x.dtype,
+    })
+}
+
 /// `split`: a color and a key that NCCL's `int`s hold.
 pub(crate) fn split(
     op: &'static str,
