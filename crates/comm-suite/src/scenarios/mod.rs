@@ -9,6 +9,7 @@ pub mod fuzz;
 pub mod graph_events;
 pub mod integrity;
 pub mod nodes;
+pub mod norm;
 pub mod oneshot;
 pub mod oneshot_ipc;
 pub mod oneshot_kernel;
@@ -205,6 +206,15 @@ pub fn all() -> Vec<Scenario> {
             &[1, 2, 3, 8],
             Nothing,
             api::thread_groups,
+        ),
+        s(
+            "norm_fused",
+            "all-reduce + residual add + RMSNorm: every type, hidden 1 to 65536, 1-512 tokens, every path, eager/graph, bad inputs",
+            2,
+            Some(8),
+            &[2, 3, 8],
+            Nothing,
+            norm::fused_norm,
         ),
         s(
             "oneshot_sizes",

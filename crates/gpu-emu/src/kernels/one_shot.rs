@@ -70,7 +70,7 @@ impl Elem {
     }
 
     /// Bytes of one value.
-    fn size(self) -> usize {
+    pub(crate) fn size(self) -> usize {
         match self {
             Elem::Bf16 | Elem::F16 => 2,
             Elem::F32 => 4,
@@ -274,6 +274,62 @@ pub(crate) fn launcher(
     }))
 }
 
+/// The launch of the fused one-shot + add + norm kernel of `e`, `(ctrl,
+/// x, residual, weight, hidden, rows, eps, lane)`: the one-shot all-reduce
+/// of `x` (this file's), then, once it completed, the add + norm
+/// (`norm::rows`). A shape the GPU kernel refuses (hidden outside 1 to the
+/// limit, rows not 16-byte multiples, addresses not 16-byte aligned)
+/// records the bad-launch status and touches nothing.
+pub(crate) fn fused_launcher(
+    e: Elem,
+    ctrl: u64,
+    a: super::norm::Args,
+    lane: u32,
+    dev: i32,
+) -> Result<Launcher, CUresult> {
+    let spans = a.spans(e).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
+    if !ctrl.is_multiple_of(8)
+        || !range_ok(ctrl, CTRL_BYTES, true)
+        || spans.iter().any(|s| !range_ok(s.ptr, s.len, true))
+    {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let n = a.hidden * a.rows;
+    let shape_ok = (1..=metrale_kernel_abi::norm::MAX_HIDDEN).contains(&a.hidden)
+        && a.rows > 0
+        && (a.hidden * e.size()).is_multiple_of(16)
+        && (a.x | a.res | a.w).is_multiple_of(16);
+    Ok(Arc::new(move || {
+        let tag = tag(LAUNCHES.fetch_add(1, Ordering::Relaxed));
+        Box::new(move || {
+            if driver::sticky(dev).is_err() {
+                return;
+            }
+            if !shape_ok {
+                let flags = memory::access(&[Span::device(ctrl, CTRL_BYTES)], || {
+                    // SAFETY: the span holds the control block; aligned.
+                    unsafe { word64(ctrl + OFF_FLAGS) }.load(Ordering::Acquire)
+                });
+                if let Some(flags) = flags {
+                    let _ = fail(ctrl, flags, STATUS_BAD_LAUNCH);
+                }
+                return;
+            }
+            let done = run(e, (ctrl, a.x, n, lane), tag);
+            let ran = match done {
+                // SAFETY: the spans hold the rows and the weight for the
+                // whole run (checked under the registry lock).
+                Some(true) => memory::access(&spans, || unsafe { super::norm::rows(e, a) }),
+                Some(false) => Some(()),
+                None => None,
+            };
+            if ran.is_none() {
+                memory::illegal_address(dev, "one_shot_add_rms_norm", a.x, spans[0].len);
+            }
+        })
+    }))
+}
+
 /// What one pass over the arrived data found.
 enum Pass {
     Done,
@@ -321,13 +377,15 @@ fn tag(launch: u64) -> u64 {
     abi::owner_tag(launch)
 }
 
-/// One execution; `None` when memory it needed was not allocated.
-fn run(e: Elem, (ctrl, data, n, lane): (u64, u64, usize, u32), tag: u64) -> Option<()> {
+/// One execution; `None` when memory it needed was not allocated,
+/// `Some(true)` when the call completed (`false`: it recorded a status or
+/// found one).
+fn run(e: Elem, (ctrl, data, n, lane): (u64, u64, usize, u32), tag: u64) -> Option<bool> {
     let t0 = Instant::now();
     let ctrl_span = Span::device(ctrl, CTRL_BYTES);
     // SAFETY: the span holds the control block for the read.
     let c = memory::access(&[ctrl_span], || unsafe { read_ctrl(ctrl) })?;
-    let fail = |code| fail(ctrl, c.flags, code);
+    let fail = |code| fail(ctrl, c.flags, code).map(|()| false);
     let slot = c.slot;
     if lane as usize >= abi::LANES
         || !(2..=MAX_RANKS).contains(&c.world)
@@ -342,7 +400,7 @@ fn run(e: Elem, (ctrl, data, n, lane): (u64, u64, usize, u32), tag: u64) -> Opti
         return fail(STATUS_BAD_LAUNCH);
     }
     if failed(ctrl)? != 0 {
-        return Some(());
+        return Some(false);
     }
     let lane_at = ctrl + OFF_LANES + LANE_BYTES * u64::from(lane);
     // The claim (`one_shot.cu`): an OR of the launch's tag that finds
@@ -442,7 +500,7 @@ fn run(e: Elem, (ctrl, data, n, lane): (u64, u64, usize, u32), tag: u64) -> Opti
             break;
         }
         if failed(ctrl)? != 0 {
-            return Some(());
+            return Some(false);
         }
         if t0.elapsed() > HOST_POLL_AFTER && flag(c.flags, abi::FLAG_ABORT as u64)? != 0 {
             return fail(STATUS_ABORTED);
@@ -463,6 +521,7 @@ fn run(e: Elem, (ctrl, data, n, lane): (u64, u64, usize, u32), tag: u64) -> Opti
     memory::access(&[ctrl_span], || unsafe {
         word64(lane_at).store(u64::from(epoch + 1) & EPOCH_MASK, Ordering::Release);
     })
+    .map(|()| true)
 }
 
 #[cfg(test)]
