@@ -132,22 +132,29 @@ pub fn fused_launch_config(
     )
 }
 
-/// The arguments of one add + norm: `x`, `residual`, `weight` (device
-/// addresses), `hidden`, `rows`, `eps`.
+/// The arguments of one add + norm launch.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct NormArgs {
+pub struct NormArgs {
+    /// Device address of `rows * hidden` values: the all-reduced input
+    /// (the fused kernel: this rank's contribution), then the output.
     pub x: u64,
+    /// Device address of `rows * hidden` values, read and written.
     pub residual: u64,
+    /// Device address of `hidden` values.
     pub weight: u64,
+    /// Values a row, 1 to [`MAX_HIDDEN`].
     pub hidden: usize,
+    /// Rows.
     pub rows: usize,
+    /// Added to the mean square; finite and positive.
     pub eps: f32,
+    /// The element type (bf16, f16, f32).
     pub dtype: DataType,
 }
 
 impl NormArgs {
     /// The same rows from `first` on, `rows` of them.
-    pub(crate) fn rows(self, first: usize, rows: usize) -> NormArgs {
+    pub fn rows(self, first: usize, rows: usize) -> NormArgs {
         let off = (first * self.hidden * self.dtype.size()) as u64;
         NormArgs {
             x: self.x + off,
@@ -158,7 +165,7 @@ impl NormArgs {
     }
 
     /// The fused one-shot kernel takes it: 16-byte rows and addresses.
-    pub(crate) fn fusable(&self) -> bool {
+    pub fn fusable(&self) -> bool {
         (self.hidden * self.dtype.size()).is_multiple_of(16)
             && (self.x | self.residual | self.weight).is_multiple_of(16)
     }
@@ -171,7 +178,7 @@ impl NormArgs {
 /// device memory of its context valid for `rows * hidden` values, `weight`
 /// for `hidden`, until the work completes; `stream` a live stream of that
 /// context.
-pub(crate) unsafe fn launch_add_rms_norm(
+pub unsafe fn launch_add_rms_norm(
     kernel: &Function,
     args: NormArgs,
     stream: cuda_sys::CUstream,
@@ -198,7 +205,7 @@ pub(crate) unsafe fn launch_add_rms_norm(
 /// As [`launch_add_rms_norm`], `kernel` the fused entry of `args.dtype`,
 /// and `ctrl` as for [`crate::kernels::launch_one_shot`], its slot holding
 /// `rows * hidden` values.
-pub(crate) unsafe fn launch_fused(
+pub unsafe fn launch_fused(
     kernel: &Function,
     ctrl: u64,
     args: NormArgs,

@@ -10,6 +10,7 @@ pub mod graph_events;
 pub mod integrity;
 pub mod nodes;
 pub mod norm;
+pub mod norm_kernel;
 pub mod oneshot;
 pub mod oneshot_ipc;
 pub mod oneshot_kernel;
@@ -260,6 +261,15 @@ pub fn all() -> Vec<Scenario> {
             &[2, 3, 4, 8],
             Nothing,
             oneshot_split::split,
+        ),
+        s(
+            "norm_kernel_one_device",
+            "the fused one-shot + add + norm kernel and the separate add + norm kernel, 2-8 ranks simulated on one device, bit for bit",
+            1,
+            Some(1),
+            &[1],
+            Nothing,
+            norm_kernel::kernel_one_device,
         ),
         s(
             "oneshot_kernel_one_device",
