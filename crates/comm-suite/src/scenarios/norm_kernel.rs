@@ -148,7 +148,7 @@ fn of<T: OneShotElement + SuiteElem>(
                 weight: DeviceBuffer::<T>::alloc(c, hidden)?,
             };
             let inputs = ranks.fill(5, hidden)?;
-            for r in 0..k {
+            for (r, input) in inputs.iter().enumerate() {
                 launch_fused(&ranks, &t, &fused, r, (hidden, 1), LANE_EAGER)?;
                 ranks.stream(r).wait_until_idle(WAIT)?;
                 let st = ranks.flags(r).load(1);
@@ -156,7 +156,7 @@ fn of<T: OneShotElement + SuiteElem>(
                 ensure!(
                     ranks.output(r)?[..hidden]
                         .iter()
-                        .zip(&inputs[r])
+                        .zip(input)
                         .all(|(a, b)| a.to_bits32() == b.to_bits32()),
                     "rank {r}: a refused launch wrote x"
                 );
