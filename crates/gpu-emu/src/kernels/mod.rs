@@ -10,6 +10,7 @@
 //! (`memory::access`, `stream::Launcher`), which knows nothing of them.
 
 mod bf16_add;
+mod fused;
 pub(crate) mod module;
 mod norm;
 mod one_shot;

@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use cuda_sys::{CUfunction, CUmodule, CUresult, CUstream};
 
-use super::{bf16_add, norm, one_shot};
+use super::{bf16_add, fused, norm, one_shot};
 use crate::cuda::driver::{self, check_init, code};
 use crate::cuda::stream;
 use crate::{Table, guard, id_to_ptr, ptr_to_id, put};
@@ -248,7 +248,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
                             p[7].cast::<u32>().read_unaligned(),
                         )
                     };
-                    let l = one_shot::fused_launcher(elem, ctrl, a, lane, dev)?;
+                    let l = fused::launcher(elem, ctrl, a, lane, dev)?;
                     stream::submit(&target, l)
                 }
             }

@@ -122,8 +122,8 @@ impl Elem {
 
 // The kernels' ABI, from its one definition (`metrale-kernel-abi`).
 const SENTINEL: u32 = abi::SENTINEL;
-const CTRL_BYTES: usize = abi::CTRL_BYTES;
-const OFF_FLAGS: u64 = abi::OFF_FLAGS as u64;
+pub(super) const CTRL_BYTES: usize = abi::CTRL_BYTES;
+pub(super) const OFF_FLAGS: u64 = abi::OFF_FLAGS as u64;
 const OFF_TIMEOUT: u64 = abi::OFF_TIMEOUT_NS as u64;
 const OFF_RANK: u64 = abi::OFF_RANK as u64;
 const OFF_WORLD: u64 = abi::OFF_WORLD as u64;
@@ -143,10 +143,10 @@ const MAX_SLOT: u64 = abi::MAX_SLOT_BYTES as u64;
 const STATUS_TIMEOUT: u32 = Status::Timeout as u32;
 const STATUS_ABORTED: u32 = Status::Aborted as u32;
 const STATUS_CONCURRENT: u32 = Status::Concurrent as u32;
-const STATUS_BAD_LAUNCH: u32 = Status::BadLaunch as u32;
+pub(super) const STATUS_BAD_LAUNCH: u32 = Status::BadLaunch as u32;
 
 /// Launch numbers (the GPU's `%gridid`), from which owner tags are made.
-static LAUNCHES: AtomicU64 = AtomicU64::new(1);
+pub(super) static LAUNCHES: AtomicU64 = AtomicU64::new(1);
 
 /// The word of emulated memory at `addr`.
 ///
@@ -162,7 +162,7 @@ unsafe fn word<'a>(addr: u64) -> &'a AtomicU32 {
 ///
 /// # Safety
 /// As for [`word`], 8-byte aligned.
-unsafe fn word64<'a>(addr: u64) -> &'a AtomicU64 {
+pub(super) unsafe fn word64<'a>(addr: u64) -> &'a AtomicU64 {
     // SAFETY: this function's contract.
     unsafe { AtomicU64::from_ptr(addr as usize as *mut u64) }
 }
@@ -274,62 +274,6 @@ pub(crate) fn launcher(
     }))
 }
 
-/// The launch of the fused one-shot + add + norm kernel of `e`, `(ctrl,
-/// x, residual, weight, hidden, rows, eps, lane)`: the one-shot all-reduce
-/// of `x` (this file's), then, once it completed, the add + norm
-/// (`norm::rows`). A shape the GPU kernel refuses (hidden outside 1 to the
-/// limit, rows not 16-byte multiples, addresses not 16-byte aligned)
-/// records the bad-launch status and touches nothing.
-pub(crate) fn fused_launcher(
-    e: Elem,
-    ctrl: u64,
-    a: super::norm::Args,
-    lane: u32,
-    dev: i32,
-) -> Result<Launcher, CUresult> {
-    let spans = a.spans(e).ok_or(CUresult::CUDA_ERROR_INVALID_VALUE)?;
-    if !ctrl.is_multiple_of(8)
-        || !range_ok(ctrl, CTRL_BYTES, true)
-        || spans.iter().any(|s| !range_ok(s.ptr, s.len, true))
-    {
-        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-    }
-    let n = a.hidden * a.rows;
-    let shape_ok = (1..=metrale_kernel_abi::norm::MAX_HIDDEN).contains(&a.hidden)
-        && a.rows > 0
-        && (a.hidden * e.size()).is_multiple_of(16)
-        && (a.x | a.res | a.w).is_multiple_of(16);
-    Ok(Arc::new(move || {
-        let tag = tag(LAUNCHES.fetch_add(1, Ordering::Relaxed));
-        Box::new(move || {
-            if driver::sticky(dev).is_err() {
-                return;
-            }
-            if !shape_ok {
-                let flags = memory::access(&[Span::device(ctrl, CTRL_BYTES)], || {
-                    // SAFETY: the span holds the control block; aligned.
-                    unsafe { word64(ctrl + OFF_FLAGS) }.load(Ordering::Acquire)
-                });
-                if let Some(flags) = flags {
-                    let _ = fail(ctrl, flags, STATUS_BAD_LAUNCH);
-                }
-                return;
-            }
-            let done = run(e, (ctrl, a.x, n, lane), tag);
-            let ran = match done {
-                // SAFETY: the spans hold the rows and the weight for the
-                // whole run (checked under the registry lock).
-                Some(true) => memory::access(&spans, || unsafe { super::norm::rows(e, a) }),
-                Some(false) => Some(()),
-                None => None,
-            };
-            if ran.is_none() {
-                memory::illegal_address(dev, "one_shot_add_rms_norm", a.x, spans[0].len);
-            }
-        })
-    }))
-}
-
 /// What one pass over the arrived data found.
 enum Pass {
     Done,
@@ -347,7 +291,7 @@ fn flag(flags: u64, i: u64) -> Option<u32> {
 /// Records `code` as the status unless one is recorded already: in the
 /// control block's `failed` word (the first wins), then in the host's
 /// status word.
-fn fail(ctrl: u64, flags: u64, code: u32) -> Option<()> {
+pub(super) fn fail(ctrl: u64, flags: u64, code: u32) -> Option<()> {
     let first = memory::access(&[Span::device(ctrl, CTRL_BYTES)], || {
         // SAFETY: the span holds the control block; `failed` is aligned.
         let failed = unsafe { word(ctrl + OFF_FAILED) };
@@ -373,14 +317,18 @@ fn failed(ctrl: u64) -> Option<u32> {
 }
 
 /// A launch's owner tag (`os_tag`, [`abi::owner_tag`]).
-fn tag(launch: u64) -> u64 {
+pub(super) fn tag(launch: u64) -> u64 {
     abi::owner_tag(launch)
 }
 
 /// One execution; `None` when memory it needed was not allocated,
 /// `Some(true)` when the call completed (`false`: it recorded a status or
 /// found one).
-fn run(e: Elem, (ctrl, data, n, lane): (u64, u64, usize, u32), tag: u64) -> Option<bool> {
+pub(super) fn run(
+    e: Elem,
+    (ctrl, data, n, lane): (u64, u64, usize, u32),
+    tag: u64,
+) -> Option<bool> {
     let t0 = Instant::now();
     let ctrl_span = Span::device(ctrl, CTRL_BYTES);
     // SAFETY: the span holds the control block for the read.
