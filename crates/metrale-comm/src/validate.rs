@@ -446,6 +446,40 @@ mod tests {
     }
 
     #[test]
+    fn add_rms_norm_refuses_each_bad_input() {
+        const OP: &str = "all_reduce_add_rms_norm";
+        let at = |ptr, len| span(ptr, len, DataType::Bfloat16);
+        let (x, r, w) = (at(0x1000, 64), at(0x2000, 64), at(0x3000, 16));
+        let a = add_rms_norm(OP, x, r, w, 1e-5).expect("valid");
+        assert_eq!((a.hidden, a.rows), (16, 4));
+        let bad = |x, r, w, eps| match add_rms_norm(OP, x, r, w, eps) {
+            Err(CommError::InvalidArgument { reason, .. }) => reason,
+            other => panic!("accepted: {other:?}"),
+        };
+        assert!(bad(x, at(0x2000, 32), w, 1e-5).contains("needs 64"));
+        assert!(bad(x, r, at(0x3000, 5), 1e-5).contains("whole number of rows"));
+        assert!(bad(x, r, at(0x3000, 0), 1e-5).contains("hidden must be 1"));
+        assert!(
+            bad(
+                at(0x100000, 65_537),
+                at(0x200000, 65_537),
+                at(0x300000, 65_537),
+                1e-5
+            )
+            .contains("hidden must be 1")
+        );
+        for eps in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            assert!(bad(x, r, w, eps).contains("eps"));
+        }
+        assert!(bad(x, r, span(0x3000, 16, DataType::Float16), 1e-5).contains("weight holds"));
+        assert!(bad(x, span(0x2000, 64, DataType::Float32), w, 1e-5).contains("holds"));
+        assert!(bad(at(0x1001, 64), r, w, 1e-5).contains("aligned"));
+        assert!(bad(span(0x1000, 64, DataType::Uint32), r, w, 1e-5).contains("bf16, f16 or f32"));
+        assert!(bad(x, at(0x1010, 64), w, 1e-5).contains("overlaps"));
+        assert!(add_rms_norm(OP, at(0x1000, 0), at(0x2000, 0), w, 1e-5).is_ok());
+    }
+
+    #[test]
     fn each_operation_refuses_what_it_must() {
         let bf = |len| span(0x1000, len, DataType::Bfloat16);
         assert!(all_reduce("all_reduce", bf(8)).is_ok());
