@@ -649,7 +649,9 @@ __device__ __forceinline__ void os_one_shot(OsCtrl* ctrl, typename E::Bits* data
 //   x, residual and weight 16-byte aligned.
 //   block: norm_threads(hidden, size) threads (a multiple of 32, at most
 //          NORM_BLOCK); grid: at most 32 blocks (the host's
-//          min(rows, 32)); any grid is correct.
+//          min(rows, 32)); any grid is correct. At most 64 registers a
+//          thread (OS_MIN_BLOCKS), as the plain entries: 8 ranks' calls
+//          simulated on one GPU must all be resident at once.
 
 // One row: waits, sums, clears (os_sum), adds the residual, reduces the
 // squares over the block, scales. Every thread of the block calls it and
@@ -805,7 +807,7 @@ __device__ __forceinline__ void os_fused(OsCtrl* ctrl, typename E::Bits* x, type
     }
 }
 
-extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
+extern "C" __global__ void __launch_bounds__(NORM_BLOCK, OS_MIN_BLOCKS)
 bf16_one_shot_add_rms_norm(OsCtrl* ctrl, unsigned short* x, unsigned short* residual,
                            const unsigned short* weight, unsigned long long hidden,
                            unsigned long long rows, float eps, unsigned int lane)
@@ -813,7 +815,7 @@ bf16_one_shot_add_rms_norm(OsCtrl* ctrl, unsigned short* x, unsigned short* resi
     os_fused<OsBf16, NormBf16>(ctrl, x, residual, weight, hidden, rows, eps, lane);
 }
 
-extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
+extern "C" __global__ void __launch_bounds__(NORM_BLOCK, OS_MIN_BLOCKS)
 f16_one_shot_add_rms_norm(OsCtrl* ctrl, unsigned short* x, unsigned short* residual,
                           const unsigned short* weight, unsigned long long hidden,
                           unsigned long long rows, float eps, unsigned int lane)
@@ -821,7 +823,7 @@ f16_one_shot_add_rms_norm(OsCtrl* ctrl, unsigned short* x, unsigned short* resid
     os_fused<OsF16, NormF16>(ctrl, x, residual, weight, hidden, rows, eps, lane);
 }
 
-extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
+extern "C" __global__ void __launch_bounds__(NORM_BLOCK, OS_MIN_BLOCKS)
 f32_one_shot_add_rms_norm(OsCtrl* ctrl, unsigned int* x, unsigned int* residual,
                           const unsigned int* weight, unsigned long long hidden,
                           unsigned long long rows, float eps, unsigned int lane)

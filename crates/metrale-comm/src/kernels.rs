@@ -533,7 +533,7 @@ mod tests {
         let bound = format!(".maxntid {ONE_SHOT_BLOCK}, 1, 1");
         assert_eq!(lines.iter().filter(|l| **l == bound).count(), 6);
         // Two blocks an SM: at most 64 registers a thread.
-        assert_eq!(lines.iter().filter(|l| **l == ".minnctapersm 2").count(), 3);
+        assert_eq!(lines.iter().filter(|l| **l == ".minnctapersm 2").count(), 6);
         assert!(ONE_SHOT_PTX.contains("cvt.rn.bf16.f32"));
         assert!(ONE_SHOT_PTX.contains("cvt.rn.f16.f32"));
         // Plain peer loads and stores only: no multicast objects, no multimem.
