@@ -86,8 +86,9 @@ if [ "${1:-}" = "--sanitizer" ]; then
     for tool in memcheck racecheck synccheck; do
         for s in ${scenarios//,/ }; do
             echo "== compute-sanitizer --tool $tool: $s"
-            "$cs" --tool "$tool" --error-exitcode 99 \
-                ./comm-suite threads --world 1 --scenario "$s" --timeout 3600 || status=1
+            METRALE_SUITE_DIR="$(mktemp -d)" "$cs" --tool "$tool" --error-exitcode 99 \
+                ./comm-suite threads --world 1 --scenario "$s" --timeout 3600 &&
+                echo "   $tool $s: clean" || { echo "   $tool $s: FAILED"; status=1; }
         done
     done
     exit $status
