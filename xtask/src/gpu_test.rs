@@ -68,7 +68,8 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 # NCCL_* variables are passed through exactly as given.
 #        ./run.sh --sanitizer [a,b]   compute-sanitizer memcheck, racecheck and synccheck over the
 #          one-device kernel scenarios (default oneshot_kernel_one_device,norm_kernel_one_device);
-#          the tool from $COMPUTE_SANITIZER, else PATH, else /usr/local/cuda/bin.
+#          the tool from $COMPUTE_SANITIZER, else PATH, else /usr/local/cuda/bin; $SANITIZER_TOOLS
+#          picks the tools (e.g. SANITIZER_TOOLS=racecheck).
 set -euo pipefail
 cd "$(dirname "$0")"
 if [ "${1:-}" = "--sanitizer" ]; then
@@ -83,7 +84,7 @@ if [ "${1:-}" = "--sanitizer" ]; then
     # under the tool, which runs kernels one at a time; they say so.
     export METRALE_UNDER_SANITIZER=1
     status=0
-    for tool in memcheck racecheck synccheck; do
+    for tool in ${SANITIZER_TOOLS:-memcheck racecheck synccheck}; do
         for s in ${scenarios//,/ }; do
             echo "== compute-sanitizer --tool $tool: $s"
             METRALE_SUITE_DIR="$(mktemp -d)" "$cs" --tool "$tool" --error-exitcode 99 \
