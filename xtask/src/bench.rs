@@ -2,10 +2,10 @@
 //! their run on this box's GPUs.
 //!
 //! It builds `metrale-benches` with `cargo bench --no-run` (release): the
-//! `collectives`, `cpu` and `one_shot_local` bench executables, found in
+//! `collectives`, `cpu`, `one_shot_local` and `norm_local` bench executables, found in
 //! cargo's `--message-format=json` artifacts, and the `gpu-bench` and
 //! `bench-tables` binaries cargo builds beside them. A bundle is a
-//! directory with those five executables (debug info stripped, symbols
+//! directory with those six executables (debug info stripped, symbols
 //! kept), `run.sh` and `README.txt`; no emulator and no Rust toolchain are
 //! needed on the box. `run.sh OUT ...`
 //! runs the collectives bench with criterion's report folder in
@@ -32,7 +32,8 @@ use anyhow::{Context as _, bail};
 use crate::gpu_box;
 
 const HELP: &str = "\
-usage: cargo xtask bench [--bundle DIR] [--out DIR] [--quick] [--cpu] [--one-shot-local] [--no-host-costs]
+usage: cargo xtask bench [--bundle DIR] [--out DIR] [--quick] [--cpu] [--one-shot-local] [--norm-local]
+                         [--only-local] [--no-host-costs]
                          [--save-baseline NAME | --baseline NAME] [-- CRITERION_ARGS...]
 
 Builds the benchmarks (cargo bench --no-run, release) into a bundle: the
@@ -47,13 +48,16 @@ criterion.tar.gz), the tables (tables.md), the logs and the host costs.
 NAME, or compare it with NAME saved earlier in the same OUT on the same box.
 --quick: smoke-test sizes and times. --cpu: the CPU bench too.
 --one-shot-local: the one-shot kernel on one GPU with ranks simulated too.
+--norm-local: the fused all-reduce + add + RMSNorm on one GPU, ranks
+simulated, too. --only-local: skip the collectives bench, its tables and
+the host costs (with --one-shot-local or --norm-local).
 --no-host-costs: skip gpu-bench's host time per call. Arguments after --
 go to criterion (a filter such as all_reduce/, --measurement-time 5).
 See docs/benchmarks.md.
 ";
 
 /// The bench executables the bundle holds, by cargo target name.
-const BENCHES: [&str; 3] = ["collectives", "cpu", "one_shot_local"];
+const BENCHES: [&str; 4] = ["collectives", "cpu", "one_shot_local", "norm_local"];
 /// The binaries the bundle holds.
 const BINS: [&str; 2] = ["gpu-bench", "bench-tables"];
 
@@ -78,9 +82,8 @@ fn parse(args: &[String]) -> anyhow::Result<Result<Cli, i32>> {
                 cli.bundle = Some(it.next().context("--bundle needs a directory")?.into())
             }
             "--out" => cli.out = Some(it.next().context("--out needs a directory")?.into()),
-            "--quick" | "--cpu" | "--one-shot-local" | "--no-host-costs" => {
-                cli.pass.push(a.clone())
-            }
+            "--quick" | "--cpu" | "--one-shot-local" | "--norm-local" | "--only-local"
+            | "--no-host-costs" => cli.pass.push(a.clone()),
             "--save-baseline" | "--baseline" => {
                 let name = it.next().with_context(|| format!("{a} needs a name"))?;
                 cli.pass.extend([a.clone(), name.clone()]);
@@ -261,8 +264,10 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 #   OUT/tables*-all-reduce.svg, OUT/tables*-busbw-{eager,graph}.svg  the tables' plots
 #   OUT/one-shot-local*.log the one-shot kernel on one GPU, ranks simulated (--one-shot-local),
 #                          its table and plot in OUT/one-shot-local*.{md,svg}
+#   OUT/norm-local*.log    the fused all-reduce + add + RMSNorm on one GPU, ranks simulated (--norm-local)
 #   OUT/nccl-tests*.txt    NVIDIA's nccl-tests beside them (--nccl-tests DIR)
-# usage: ./run.sh OUT [--quick] [--cpu] [--one-shot-local] [--no-host-costs] [--nccl-tests DIR]
+# usage: ./run.sh OUT [--quick] [--cpu] [--one-shot-local] [--norm-local] [--only-local] [--no-host-costs]
+#                     [--nccl-tests DIR]
 #                     [--save-baseline NAME | --baseline NAME] [CRITERION_ARGS...]
 # --save-baseline / --baseline go to criterion (and name the files: -NAME,
 # -vs-NAME); a baseline lives in OUT/criterion, so compare runs that share
@@ -278,12 +283,14 @@ mkdir -p "$1" && out="$(cd "$1" && pwd)" || exit 2
 shift
 export NCCL_NVLS_ENABLE=0
 export CRITERION_HOME="$out/criterion"
-cpu=0 local=0 host=1 nccl_tests="" suffix="" base=() crit=()
+cpu=0 local=0 norm=0 collectives=1 host=1 nccl_tests="" suffix="" base=() crit=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --quick) export METRALE_BENCH_QUICK=1 ;;
         --cpu) cpu=1 ;;
         --one-shot-local) local=1 ;;
+        --norm-local) norm=1 ;;
+        --only-local) collectives=0; host=0 ;;
         --no-host-costs) host=0 ;;
         --nccl-tests) nccl_tests="$2"; shift ;;
         --save-baseline) base=("$1" "$2"); suffix="-$2"; shift ;;
@@ -295,10 +302,12 @@ while [ $# -gt 0 ]; do
 done
 status=0
 { uname -a; nvidia-smi -L 2>&1 || true; env | grep -E '^(NCCL_|METRALE_)' || true; } >"$out/machine$suffix.txt"
-"$here/collectives" --bench "${base[@]}" "${crit[@]}" 2>&1 | tee "$out/collectives$suffix.log" || status=1
-tables=(--out "$out/tables$suffix.md")
-[ ${#base[@]} -eq 2 ] && [ "${base[0]}" = --baseline ] && tables+=(--baseline "${base[1]}")
-"$here/bench-tables" "$CRITERION_HOME" "${tables[@]}" || status=1
+if [ "$collectives" = 1 ]; then
+    "$here/collectives" --bench "${base[@]}" "${crit[@]}" 2>&1 | tee "$out/collectives$suffix.log" || status=1
+    tables=(--out "$out/tables$suffix.md")
+    [ ${#base[@]} -eq 2 ] && [ "${base[0]}" = --baseline ] && tables+=(--baseline "${base[1]}")
+    "$here/bench-tables" "$CRITERION_HOME" "${tables[@]}" || status=1
+fi
 if [ "$host" = 1 ]; then
     "$here/gpu-bench" --host-costs --out "$out/host-costs$suffix.md" 2>&1 | tee "$out/host-costs$suffix.log" || status=1
 fi
@@ -310,6 +319,9 @@ if [ "$local" = 1 ]; then
     for f in md svg; do
         [ -f "$CRITERION_HOME/one-shot-local.$f" ] && cp "$CRITERION_HOME/one-shot-local.$f" "$out/one-shot-local$suffix.$f"
     done
+fi
+if [ "$norm" = 1 ]; then
+    "$here/norm_local" --bench "${base[@]}" 2>&1 | tee "$out/norm-local$suffix.log" || status=1
 fi
 if [ -n "$nccl_tests" ]; then
     n="${METRALE_BENCH_GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}"
@@ -404,11 +416,12 @@ mod tests {
             msg("bin", "collectives", false, "/t/collectives"),
             msg("bench", "cpu", true, "/t/deps/cpu-3"),
             msg("bench", "one_shot_local", true, "/t/deps/one_shot_local-4"),
+            msg("bench", "norm_local", true, "/t/deps/norm_local-5"),
             r#"{"reason":"build-finished","success":true}"#.to_owned(),
         ]
         .join("\n");
         let found = artifacts(&lines);
-        assert_eq!(found.len(), 7);
+        assert_eq!(found.len(), 8);
         let picked = pick(&found).unwrap();
         assert_eq!(
             picked,
@@ -416,6 +429,7 @@ mod tests {
                 ("collectives", PathBuf::from("/t/deps/collectives-2")),
                 ("cpu", PathBuf::from("/t/deps/cpu-3")),
                 ("one_shot_local", PathBuf::from("/t/deps/one_shot_local-4")),
+                ("norm_local", PathBuf::from("/t/deps/norm_local-5")),
                 ("gpu-bench", PathBuf::from("/t/gpu-bench")),
                 ("bench-tables", PathBuf::from("/t/bench-tables")),
             ]

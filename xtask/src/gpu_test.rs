@@ -66,8 +66,34 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Options: --gpus N --modes threads,processes,socket,torchrun,nodes,nodes-srun --scenarios a,b --timeout SECS --repeat N
 #          --torchrun PATH (torchrun mode; else $TORCHRUN, else /opt/torch/.venv/bin/torchrun)
 # NCCL_* variables are passed through exactly as given.
+#        ./run.sh --sanitizer [a,b]   compute-sanitizer memcheck, racecheck and synccheck over the
+#          one-device kernel scenarios (default oneshot_kernel_one_device,norm_kernel_one_device);
+#          the tool from $COMPUTE_SANITIZER, else PATH, else /usr/local/cuda/bin; $SANITIZER_TOOLS
+#          picks the tools (e.g. SANITIZER_TOOLS=racecheck).
 set -euo pipefail
 cd "$(dirname "$0")"
+if [ "${1:-}" = "--sanitizer" ]; then
+    shift
+    cs="${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}"
+    if [ ! -x "$cs" ]; then
+        echo "run.sh --sanitizer: no compute-sanitizer at $cs (set COMPUTE_SANITIZER)"
+        exit 2
+    fi
+    scenarios="${1:-oneshot_kernel_one_device,norm_kernel_one_device}"
+    # Steps that need several simulated ranks' kernels co-scheduled skip
+    # under the tool, which runs kernels one at a time; they say so.
+    export METRALE_UNDER_SANITIZER=1
+    status=0
+    for tool in ${SANITIZER_TOOLS:-memcheck racecheck synccheck}; do
+        for s in ${scenarios//,/ }; do
+            echo "== compute-sanitizer --tool $tool: $s"
+            METRALE_SUITE_DIR="$(mktemp -d)" "$cs" --tool "$tool" --error-exitcode 99 \
+                ./comm-suite threads --world 1 --scenario "$s" --timeout 3600 &&
+                echo "   $tool $s: clean" || { echo "   $tool $s: FAILED"; status=1; }
+        done
+    done
+    exit $status
+fi
 exec ./comm-suite run "$@"
 "#;
 
@@ -81,6 +107,8 @@ Run on a box with NVIDIA GPUs, a driver and libnccl.so.2 (NCCL >= 2.19):
     ./run.sh --gpus 2 --modes threads --scenarios backend_all_reduce
     ./run.sh --modes torchrun      # ranks launched by torchrun --no-python
     ./comm-suite list              # the scenarios
+    ./run.sh --sanitizer           # compute-sanitizer memcheck, racecheck, synccheck over
+                                   # oneshot_kernel_one_device and norm_kernel_one_device
 
 It prints one line per scenario as it finishes, then a table
 (scenario x mode: PASS/FAIL/SKIP and seconds), and exits non-zero on any

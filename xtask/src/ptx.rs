@@ -62,6 +62,10 @@ const KERNELS: &[(&str, &str)] = &[
         "crates/metrale-comm/kernels/one_shot.cu",
         "crates/metrale-comm/kernels/one_shot.ptx",
     ),
+    (
+        "crates/metrale-comm/kernels/add_rms_norm.cu",
+        "crates/metrale-comm/kernels/add_rms_norm.ptx",
+    ),
 ];
 
 /// Runs the subcommand.

@@ -23,6 +23,16 @@ use nccl_safe::{Context, DeviceBuffer, Event, Function, GraphExec, HostWords, St
 use crate::data::{SuiteElem, random_vec};
 
 const WAIT: Duration = Duration::from_secs(60);
+
+/// Whether the process runs under compute-sanitizer: the suite's sanitizer
+/// command sets `METRALE_UNDER_SANITIZER=1` (the tool itself injects
+/// through `CUDA_INJECTION64_PATH`, also read). The sanitizer runs one
+/// kernel at a time, so steps that need kernels of several simulated
+/// ranks co-scheduled beyond the first launch skip under it.
+pub fn under_sanitizer() -> bool {
+    std::env::var_os("METRALE_UNDER_SANITIZER").is_some_and(|v| v != "0")
+        || std::env::var("CUDA_INJECTION64_PATH").is_ok_and(|p| p.contains("sanitizer"))
+}
 /// The lane of calls captured into graphs.
 pub const LANE_GRAPH: u32 = 1;
 /// The lane of eager calls.
@@ -183,6 +193,17 @@ impl<T: OneShotElement + SuiteElem> LocalOneShot<T> {
         words[11] = slot_bytes;
         self.ctrl[r].copy_prefix_from_host(&words)?;
         Ok(())
+    }
+
+    /// Rank `r`'s control block's device address.
+    pub fn ctrl_ptr(&self, r: usize) -> u64 {
+        self.ctrl[r].device_ptr()
+    }
+
+    /// The device address of rank `r`'s call data (after the guards and
+    /// the offset): [`LocalOneShot::max_elems`] values.
+    pub fn data_ptr(&self, r: usize) -> u64 {
+        self.data[r].device_ptr() + (self.lead() * T::DATA_TYPE.size()) as u64
     }
 
     /// Rank `r`'s stream.

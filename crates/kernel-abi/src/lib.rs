@@ -4,8 +4,9 @@
 //! emulator that runs them and the tests that check them must agree on
 //! lives here: the one-shot all-reduce's control block ([`one_shot::Ctrl`],
 //! `#[repr(C)]`, every offset checked at compile time), its lanes, statuses,
-//! sentinel and bounds, the receive buffer's layout, and the add kernel's
-//! launch contract ([`add`]). [`cuda_header`] writes the CUDA header the
+//! sentinel and bounds, the receive buffer's layout, the add kernel's
+//! launch contract ([`add`]), and the residual add + RMSNorm's contract
+//! and arithmetic ([`norm`]). [`cuda_header`] writes the CUDA header the
 //! kernels include (`crates/metrale-comm/kernels/abi.h`, written by
 //! `cargo xtask ptx`, checked by `cargo xtask ptx --check` and by a test),
 //! and the header's [`abi_hash`] is compiled into each kernel's PTX as the
@@ -20,6 +21,7 @@
 use std::fmt::Write as _;
 
 pub mod add;
+pub mod norm;
 pub mod one_shot;
 
 /// The name of the 64-bit PTX global that holds the [`abi_hash`] a kernel
@@ -36,6 +38,7 @@ fn header_body() -> String {
          // fail when this file, the Rust definitions or the PTX disagree.\n\n",
     );
     add::write_header(&mut h);
+    norm::write_header(&mut h);
     one_shot::write_header(&mut h);
     h
 }

@@ -11,6 +11,12 @@
 // Values a thread moves per 16-byte load on aligned buffers.
 #define BF16_ADD_PER_LOAD 8
 
+// The residual add + RMSNorm (add_rms_norm.cu; fused: one_shot.cu).
+// The largest row (hidden) the kernels take.
+#define NORM_MAX_HIDDEN 65536u
+// Most threads a block (__launch_bounds__).
+#define NORM_BLOCK 512
+
 // The one-shot all-reduce (one_shot.cu).
 // Most threads a block (__launch_bounds__).
 #define OS_BLOCK 512
@@ -93,4 +99,4 @@ static_assert(__builtin_offsetof(OsCtrl, pad) == 132, "OsCtrl::pad's offset");
 
 // The hash of every definition above; each kernel module exports it
 // as the global `metrale_kernel_abi`.
-#define METRALE_KERNEL_ABI 0x1fd126b8f322e3e6ull
+#define METRALE_KERNEL_ABI 0x0628b66470084d99ull

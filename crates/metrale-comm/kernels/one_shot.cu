@@ -95,6 +95,7 @@
 #include <cuda_fp16.h>
 
 #include "abi.h"
+#include "norm.cuh"
 
 // The ABI this module was compiled against (crates/kernel-abi): the host
 // refuses a module whose value is not its own.
@@ -405,11 +406,11 @@ __device__ __forceinline__ void os_issue(const OsCall& c, unsigned int u, int g,
 // peer, for worlds of at most MP + 1 ranks, in groups of G peers (`v`: the
 // first group's loads, already issued; each later group's loads go out
 // together once the group before it is added): waits for each, clears its
-// slot, adds all in rank order, and writes the rounded sum into `data`.
+// slot, adds all in rank order, and returns the rounded sum in `out`.
 // False if the call stopped.
 template <class E, int MP, int G>
-__device__ __forceinline__ bool os_finish(const OsCall& c, typename E::Bits* data, unsigned int u,
-                                          uint4 o, const uint4 (&v)[G])
+__device__ __forceinline__ bool os_sum(const OsCall& c, unsigned int u, uint4 o,
+                                       const uint4 (&v)[G], uint4& out)
 {
     const uint4 clear = make_uint4(OS_SENTINEL, OS_SENTINEL, OS_SENTINEL, OS_SENTINEL);
     constexpr int QMAX = (MP + G - 1) / G * G;
@@ -456,7 +457,20 @@ __device__ __forceinline__ bool os_finish(const OsCall& c, typename E::Bits* dat
     if (c.rank >= (unsigned int)QMAX) {
         os_acc<E>(acc, o);
     }
-    os_store<E>(data, c.n, u, c.aligned, os_pack<E>(acc));
+    out = os_pack<E>(acc);
+    return true;
+}
+
+// os_sum, written into `data`.
+template <class E, int MP, int G>
+__device__ __forceinline__ bool os_finish(const OsCall& c, typename E::Bits* data, unsigned int u,
+                                          uint4 o, const uint4 (&v)[G])
+{
+    uint4 out;
+    if (!os_sum<E, MP, G>(c, u, o, v, out)) {
+        return false;
+    }
+    os_store<E>(data, c.n, u, c.aligned, out);
     return true;
 }
 
@@ -615,6 +629,206 @@ __device__ __forceinline__ void os_one_shot(OsCtrl* ctrl, typename E::Bits* data
                        (unsigned long long)((s_epoch + 1u) & ((1u << OS_EPOCH_BITS) - 1u)));
         }
     }
+}
+
+// The fused entries: the one-shot all-reduce of x, then the residual add +
+// RMSNorm (norm.cuh) on the sums while they are in registers:
+// residual <- sum + residual, x <- rms_norm(residual) * weight. Rows are
+// the blocks' (row b, b + gridDim.x, ...), a row's 16-byte units the
+// threads' (unit j of a row: t, t + blockDim.x, ...), and a row's unit j
+// is unit row * units_row + j of the call, so the slots, the push and the
+// sums are the plain kernel's (bit for bit) and the norm is
+// add_rms_norm.cu's (the same chunks, threads and tree).
+//
+// Launch contract (refused with the bad-launch status otherwise):
+//   params: ctrl, lane as the plain entries; x: rows * hidden values, read
+//           (this rank's contribution) and written (the output); residual:
+//           rows * hidden values, read and written; weight: hidden values;
+//           hidden: 1 to NORM_MAX_HIDDEN, hidden * size a multiple of 16;
+//           rows >= 1, rows * hidden * size <= ctrl->slot_bytes; eps.
+//   x, residual and weight 16-byte aligned.
+//   block: norm_threads(hidden, size) threads (a multiple of 32, at most
+//          NORM_BLOCK); grid: at most 32 blocks (the host's
+//          min(rows, 32)); any grid is correct. At most 64 registers a
+//          thread (OS_MIN_BLOCKS), as the plain entries: 8 ranks' calls
+//          simulated on one GPU must all be resident at once.
+
+// One row: waits, sums, clears (os_sum), adds the residual, reduces the
+// squares over the block, scales. Every thread of the block calls it and
+// gets the same answer (false: the call stopped).
+template <class E, class N, int MP, int G>
+__device__ __forceinline__ bool os_fused_row(const OsCall& c, typename E::Bits* x,
+                                             typename E::Bits* res,
+                                             const typename E::Bits* weight, unsigned int row,
+                                             unsigned int units_row, unsigned int hidden,
+                                             float eps)
+{
+    typename E::Bits* xr = x + (unsigned long long)row * hidden;
+    typename E::Bits* rr = res + (unsigned long long)row * hidden;
+    float acc = 0.0f;
+    bool ok = true;
+    for (unsigned int j = threadIdx.x; ok && j < units_row; j += blockDim.x) {
+        const unsigned int u = row * units_row + j;
+        uint4 v[G];
+        os_issue<G>(c, u, 0, v);
+        const uint4 o = os_canon(*reinterpret_cast<const uint4*>(xr + j * E::PER));
+        uint4 sum;
+        ok = os_sum<E, MP, G>(c, u, o, v, sum);
+        if (ok) {
+            uint4* at = reinterpret_cast<uint4*>(rr + j * E::PER);
+            *at = norm_add<N>(sum, *at, acc);
+        }
+    }
+    const float ss = norm_block_sum(acc);
+    if (__syncthreads_or(ok ? 0 : 1)) {
+        return false;
+    }
+    const float inv = norm_inv(ss, hidden, eps);
+    for (unsigned int j = threadIdx.x; j < units_row; j += blockDim.x) {
+        const uint4 r = *reinterpret_cast<const uint4*>(rr + j * E::PER);
+        const uint4 w = *reinterpret_cast<const uint4*>(weight + j * E::PER);
+        *reinterpret_cast<uint4*>(xr + j * E::PER) = norm_scale<N>(r, w, inv);
+    }
+    return true;
+}
+
+template <class E, class N>
+__device__ __forceinline__ void os_fused(OsCtrl* ctrl, typename E::Bits* x, typename E::Bits* res,
+                                         const typename E::Bits* weight,
+                                         unsigned long long hidden64, unsigned long long rows64,
+                                         float eps, unsigned int lane)
+{
+    __shared__ unsigned int s_epoch;
+    __shared__ unsigned int s_go;
+    __shared__ unsigned long long s_peer[OS_MAX_RANKS];
+    __shared__ unsigned long long s_t0;
+
+    OsCall c;
+    c.ctrl = ctrl;
+    c.t0 = &s_t0;
+    OsLane* l = &ctrl->lane[lane & 1u];
+    unsigned int* failed = &ctrl->failed;
+    const unsigned long long tag = os_tag();
+    unsigned int f = 0u;
+    unsigned long long w = 0ull;
+    if (threadIdx.x == 0) {
+        s_t0 = os_clock();
+        f = os_ld32(failed);
+        w = atomicOr(&l->claim, tag << OS_EPOCH_BITS);
+    }
+    volatile unsigned int* flags = reinterpret_cast<volatile unsigned int*>(ctrl->flags);
+    c.world = ctrl->world;
+    c.rank = ctrl->rank;
+    const unsigned long long slot = ctrl->slot_bytes;
+    c.slot = (unsigned int)slot;
+    const unsigned long long size = sizeof(typename E::Bits);
+    const bool shape_ok = hidden64 != 0ull && hidden64 <= NORM_MAX_HIDDEN && rows64 != 0ull &&
+                          rows64 <= OS_MAX_SLOT && ((hidden64 * size) & 15ull) == 0ull &&
+                          hidden64 * rows64 * size <= slot;
+    const unsigned int hidden = shape_ok ? (unsigned int)hidden64 : 0u;
+    const unsigned int rows = shape_ok ? (unsigned int)rows64 : 0u;
+    c.n = hidden * rows;
+    c.aligned = true;
+    const unsigned int units_row = (unsigned int)(hidden * size / 16ull);
+    const bool bad = !shape_ok || lane >= OS_LANES || c.world < 2u || c.world > OS_MAX_RANKS ||
+                     c.rank >= c.world || slot > OS_MAX_SLOT || (slot & 15ull) != 0ull ||
+                     (blockDim.x & 31u) != 0u ||
+                     ((reinterpret_cast<unsigned long long>(x) |
+                       reinterpret_cast<unsigned long long>(res) |
+                       reinterpret_cast<unsigned long long>(weight)) & 15ull) != 0ull;
+
+    if (threadIdx.x == 0) {
+        unsigned int go = 0u;
+        if (bad) {
+            os_fail(failed, flags, OS_STATUS_BAD_LAUNCH);
+        } else if (f == 0u) {
+            go = ((w >> OS_EPOCH_BITS) == 0ull || (w >> OS_EPOCH_BITS) == tag) ? 1u : 0u;
+            if (go == 0u) {
+                os_fail(failed, flags, OS_STATUS_CONCURRENT);
+            }
+        }
+        s_go = go;
+        s_epoch = (unsigned int)(w & ((1ull << OS_EPOCH_BITS) - 1ull));
+    }
+    if (threadIdx.x < OS_MAX_RANKS) {
+        s_peer[threadIdx.x] = ctrl->peer[threadIdx.x];
+    }
+    __syncthreads();
+    if (s_go == 0u) {
+        return;
+    }
+
+    const unsigned int half = s_epoch & 1u;
+    const unsigned int region = (lane * OS_HALVES + half) * c.world * c.slot;
+    c.mine = s_peer[c.rank] + region;
+
+    // 1. Push this block's rows into slot `rank` of every peer.
+    const unsigned int out = region + c.rank * c.slot;
+    for (unsigned int row = blockIdx.x; row < rows; row += gridDim.x) {
+        for (unsigned int j = threadIdx.x; j < units_row; j += blockDim.x) {
+            const unsigned int u = row * units_row + j;
+            const uint4 a = os_canon(*reinterpret_cast<const uint4*>(x + (unsigned long long)u * E::PER));
+            for (unsigned int p = 0; p < c.world; ++p) {
+                if (p != c.rank) {
+                    os_st(s_peer[p] + (out + u * 16u), a);
+                }
+            }
+        }
+    }
+
+    // 2-3 and the norm, row by row.
+    bool ok = true;
+    for (unsigned int row = blockIdx.x; ok && row < rows; row += gridDim.x) {
+        if (c.world == 2u) {
+            ok = os_fused_row<E, N, 1, 1>(c, x, res, weight, row, units_row, hidden, eps);
+        } else if (c.world <= 4u) {
+            ok = os_fused_row<E, N, 3, 3>(c, x, res, weight, row, units_row, hidden, eps);
+        } else {
+            ok = os_fused_row<E, N, 7, 4>(c, x, res, weight, row, units_row, hidden, eps);
+        }
+    }
+
+    // 4. As the plain kernel: the last block frees the lane.
+    if (__syncthreads_or(ok ? 0 : 1)) {
+        return;
+    }
+    if (threadIdx.x == 0) {
+        bool last = true;
+        if (gridDim.x > 1u) {
+            last = atomicAdd(&l->arrived, 1u) == gridDim.x - 1u;
+            if (last) {
+                l->arrived = 0u;
+            }
+        }
+        if (last) {
+            atomicExch(&l->claim,
+                       (unsigned long long)((s_epoch + 1u) & ((1u << OS_EPOCH_BITS) - 1u)));
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_BLOCK, OS_MIN_BLOCKS)
+bf16_one_shot_add_rms_norm(OsCtrl* ctrl, unsigned short* x, unsigned short* residual,
+                           const unsigned short* weight, unsigned long long hidden,
+                           unsigned long long rows, float eps, unsigned int lane)
+{
+    os_fused<OsBf16, NormBf16>(ctrl, x, residual, weight, hidden, rows, eps, lane);
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_BLOCK, OS_MIN_BLOCKS)
+f16_one_shot_add_rms_norm(OsCtrl* ctrl, unsigned short* x, unsigned short* residual,
+                          const unsigned short* weight, unsigned long long hidden,
+                          unsigned long long rows, float eps, unsigned int lane)
+{
+    os_fused<OsF16, NormF16>(ctrl, x, residual, weight, hidden, rows, eps, lane);
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_BLOCK, OS_MIN_BLOCKS)
+f32_one_shot_add_rms_norm(OsCtrl* ctrl, unsigned int* x, unsigned int* residual,
+                          const unsigned int* weight, unsigned long long hidden,
+                          unsigned long long rows, float eps, unsigned int lane)
+{
+    os_fused<OsF32, NormF32>(ctrl, x, residual, weight, hidden, rows, eps, lane);
 }
 
 extern "C" __global__ void __launch_bounds__(OS_BLOCK, OS_MIN_BLOCKS)

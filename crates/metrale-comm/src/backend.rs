@@ -79,6 +79,41 @@ pub trait CommBackend: Send + Sync {
     fn all_reduce_async(&self, buf: DeviceViewMut<'_>, compute_stream: StreamRef<'_>)
     -> Result<()>;
 
+    /// The residual add + RMSNorm of a tensor-parallel layer after its
+    /// all-reduce, on the caller's `stream` (ordered as
+    /// [`CommBackend::all_reduce_async`]): `residual <- all_reduce(x) +
+    /// residual`, then `x <- rms_norm(residual) * weight`, row by row over
+    /// `hidden` = `weight`'s length, in f32 (the arithmetic of
+    /// [`crate::norm`]). `x` and `residual` hold `tokens x hidden` values
+    /// of bf16, f16 or f32, `weight` `hidden` of the same type; `hidden` is
+    /// 1 to [`crate::norm::MAX_HIDDEN`]; `eps` finite and positive. Every
+    /// rank's outputs are bit-identical.
+    ///
+    /// Provided: the all-reduce, then the add + norm kernel of
+    /// [`CommBackend::add_rms_norm_kernels`]
+    /// ([`crate::norm::all_reduce_then_norm`]); `NcclBackend` does both in
+    /// one kernel on its one-shot path.
+    fn all_reduce_add_rms_norm(
+        &self,
+        x: DeviceViewMut<'_>,
+        residual: DeviceViewMut<'_>,
+        weight: DeviceView<'_>,
+        eps: f32,
+        stream: StreamRef<'_>,
+    ) -> Result<()> {
+        crate::norm::all_reduce_then_norm(self, x, residual, weight, eps, stream)
+    }
+
+    /// The add + norm kernels of this backend's context (loaded on first
+    /// use), for [`CommBackend::all_reduce_add_rms_norm`]. Provided:
+    /// [`CommError::Unsupported`].
+    fn add_rms_norm_kernels(&self) -> Result<&crate::norm::NormKernels> {
+        Err(CommError::Unsupported {
+            op: "all_reduce_add_rms_norm",
+            reason: "this backend has no add + norm kernels".into(),
+        })
+    }
+
     /// Registers device memory with the communicator (`ncclCommRegister`).
     ///
     /// # Safety

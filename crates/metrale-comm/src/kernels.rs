@@ -419,7 +419,11 @@ mod tests {
 
     #[test]
     fn the_committed_ptx_was_built_against_this_abi() {
-        for (name, ptx) in [("bf16_add", BF16_ADD_PTX), ("one_shot", ONE_SHOT_PTX)] {
+        for (name, ptx) in [
+            ("bf16_add", BF16_ADD_PTX),
+            ("one_shot", ONE_SHOT_PTX),
+            ("add_rms_norm", crate::norm::ADD_RMS_NORM_PTX),
+        ] {
             if let Err(e) = check_ptx_abi(ptx) {
                 panic!("{name}.ptx: {e}");
             }
@@ -437,6 +441,10 @@ mod tests {
         for (name, src) in [
             ("bf16_add.cu", include_str!("../kernels/bf16_add.cu")),
             ("one_shot.cu", include_str!("../kernels/one_shot.cu")),
+            (
+                "add_rms_norm.cu",
+                include_str!("../kernels/add_rms_norm.cu"),
+            ),
         ] {
             assert!(
                 src.contains("#include \"abi.h\""),
@@ -521,10 +529,11 @@ mod tests {
             }
         }
         assert_eq!(one_shot_name(DataType::Float64), None);
+        // Three plain entries and three fused ones (crate::norm).
         let bound = format!(".maxntid {ONE_SHOT_BLOCK}, 1, 1");
-        assert_eq!(lines.iter().filter(|l| **l == bound).count(), 3);
+        assert_eq!(lines.iter().filter(|l| **l == bound).count(), 6);
         // Two blocks an SM: at most 64 registers a thread.
-        assert_eq!(lines.iter().filter(|l| **l == ".minnctapersm 2").count(), 3);
+        assert_eq!(lines.iter().filter(|l| **l == ".minnctapersm 2").count(), 6);
         assert!(ONE_SHOT_PTX.contains("cvt.rn.bf16.f32"));
         assert!(ONE_SHOT_PTX.contains("cvt.rn.f16.f32"));
         // Plain peer loads and stores only: no multicast objects, no multimem.

@@ -85,6 +85,7 @@ mod health;
 pub mod kernels;
 pub mod local_backend;
 pub mod nccl_backend;
+pub mod norm;
 pub mod timing;
 mod validate;
 

@@ -4,6 +4,8 @@
 //! Invariants: a reduction over one rank is the identity, so `all_reduce`
 //! and `broadcast` validate their input and do nothing; `all_gather` and
 //! `reduce_scatter` copy on the backend's stream (nothing when in place);
+//! `all_reduce_add_rms_norm` is the provided one (the identity, then the
+//! add + norm kernel on the caller's stream);
 //! send and receive have no peer and are [`CommError::Unsupported`]. The
 //! arguments of every other operation are checked by the same code as
 //! `NcclBackend`'s (`validate`), before the backend's health.
@@ -34,6 +36,8 @@ pub struct LocalBackend {
     next_handle: AtomicU64,
     registered: Mutex<HashMap<u64, (u64, usize)>>,
     allocations: Mutex<HashMap<u64, DeviceBuffer<u8>>>,
+    /// The add + norm kernels, loaded on first use (set once).
+    norm: std::sync::OnceLock<crate::norm::NormKernels>,
 }
 
 impl std::fmt::Debug for LocalBackend {
@@ -58,6 +62,7 @@ impl LocalBackend {
             next_handle: AtomicU64::new(1),
             registered: Mutex::new(HashMap::new()),
             allocations: Mutex::new(HashMap::new()),
+            norm: std::sync::OnceLock::new(),
         })
     }
 
@@ -123,6 +128,11 @@ impl CommBackend for LocalBackend {
     fn all_reduce_async(&self, buf: DeviceViewMut<'_>, _compute: StreamRef<'_>) -> Result<()> {
         validate::all_reduce("all_reduce_async", Span::from(&buf))?;
         self.check("all_reduce_async")
+    }
+
+    fn add_rms_norm_kernels(&self) -> Result<&crate::norm::NormKernels> {
+        self.check("all_reduce_add_rms_norm")?;
+        crate::norm::kernels_in(&self.norm, &self.ctx)
     }
 
     unsafe fn register_buffer(&self, buf: DeviceView<'_>) -> Result<Registration> {

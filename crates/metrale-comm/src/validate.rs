@@ -191,6 +191,74 @@ pub(crate) fn add_kernel(op: &'static str, kernel: &AddKernel) -> Result<()> {
     Ok(())
 }
 
+/// `all_reduce_add_rms_norm`: `x` and `residual` valid views of one type
+/// the kernels take (bf16, f16, f32) and one length, a whole number of
+/// rows of `hidden` = `weight`'s length (1 to the kernels' limit), `weight`
+/// of the same type, and a finite, positive `eps`. Returns the launch's
+/// arguments.
+pub(crate) fn add_rms_norm(
+    op: &'static str,
+    x: Span,
+    residual: Span,
+    weight: Span,
+    eps: f32,
+) -> Result<crate::norm::NormArgs> {
+    check_view(op, "x", x)?;
+    check_view(op, "residual", residual)?;
+    check_view(op, "weight", weight)?;
+    if crate::norm::add_rms_norm_name(x.dtype).is_none() {
+        return Err(invalid(
+            op,
+            format!("x holds {}; the norm takes bf16, f16 or f32", x.dtype),
+        ));
+    }
+    check_pair(op, ("x", x), ("residual", residual), 1)?;
+    if weight.dtype != x.dtype {
+        return Err(invalid(
+            op,
+            format!("x holds {} but weight holds {}", x.dtype, weight.dtype),
+        ));
+    }
+    let hidden = weight.len;
+    if hidden == 0 || hidden > crate::norm::MAX_HIDDEN {
+        return Err(invalid(
+            op,
+            format!(
+                "weight holds {hidden} values: hidden must be 1 to {}",
+                crate::norm::MAX_HIDDEN
+            ),
+        ));
+    }
+    if !x.len.is_multiple_of(hidden) {
+        return Err(invalid(
+            op,
+            format!(
+                "x holds {} values, not a whole number of rows of hidden = {hidden} (weight's length)",
+                x.len
+            ),
+        ));
+    }
+    if !eps.is_finite() || eps <= 0.0 {
+        return Err(invalid(op, format!("eps {eps} is not finite and positive")));
+    }
+    let (lo, hi) = (x.ptr, x.ptr + x.bytes() as u64);
+    for (name, other) in [("residual", residual), ("weight", weight)] {
+        let (a, b) = (other.ptr, other.ptr + other.bytes() as u64);
+        if x.len > 0 && other.len > 0 && a < hi && lo < b {
+            return Err(invalid(op, format!("{name} overlaps x")));
+        }
+    }
+    Ok(crate::norm::NormArgs {
+        x: x.ptr,
+        residual: residual.ptr,
+        weight: weight.ptr,
+        hidden,
+        rows: x.len / hidden,
+        eps,
+        dtype: x.dtype,
+    })
+}
+
 /// `split`: a color and a key that NCCL's `int`s hold.
 pub(crate) fn split(
     op: &'static str,
@@ -375,6 +443,40 @@ mod tests {
         assert_eq!(s.chunks(10).count(), 1);
         assert_eq!(s.chunks(0).count(), 10);
         assert_eq!(span(0x1000, 0, DataType::Float32).chunks(4).count(), 0);
+    }
+
+    #[test]
+    fn add_rms_norm_refuses_each_bad_input() {
+        const OP: &str = "all_reduce_add_rms_norm";
+        let at = |ptr, len| span(ptr, len, DataType::Bfloat16);
+        let (x, r, w) = (at(0x1000, 64), at(0x2000, 64), at(0x3000, 16));
+        let a = add_rms_norm(OP, x, r, w, 1e-5).expect("valid");
+        assert_eq!((a.hidden, a.rows), (16, 4));
+        let bad = |x, r, w, eps| match add_rms_norm(OP, x, r, w, eps) {
+            Err(CommError::InvalidArgument { reason, .. }) => reason,
+            other => panic!("accepted: {other:?}"),
+        };
+        assert!(bad(x, at(0x2000, 32), w, 1e-5).contains("needs 64"));
+        assert!(bad(x, r, at(0x3000, 5), 1e-5).contains("whole number of rows"));
+        assert!(bad(x, r, at(0x3000, 0), 1e-5).contains("hidden must be 1"));
+        assert!(
+            bad(
+                at(0x100000, 65_537),
+                at(0x200000, 65_537),
+                at(0x300000, 65_537),
+                1e-5
+            )
+            .contains("hidden must be 1")
+        );
+        for eps in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            assert!(bad(x, r, w, eps).contains("eps"));
+        }
+        assert!(bad(x, r, span(0x3000, 16, DataType::Float16), 1e-5).contains("weight holds"));
+        assert!(bad(x, span(0x2000, 64, DataType::Float32), w, 1e-5).contains("holds"));
+        assert!(bad(at(0x1001, 64), r, w, 1e-5).contains("aligned"));
+        assert!(bad(span(0x1000, 64, DataType::Uint32), r, w, 1e-5).contains("bf16, f16 or f32"));
+        assert!(bad(x, at(0x1010, 64), w, 1e-5).contains("overlaps"));
+        assert!(add_rms_norm(OP, at(0x1000, 0), at(0x2000, 0), w, 1e-5).is_ok());
     }
 
     #[test]

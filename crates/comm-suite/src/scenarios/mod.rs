@@ -10,6 +10,8 @@ pub mod fuzz;
 pub mod graph_events;
 pub mod integrity;
 pub mod nodes;
+pub mod norm;
+pub mod norm_kernel;
 pub mod oneshot;
 pub mod oneshot_ipc;
 pub mod oneshot_kernel;
@@ -209,6 +211,15 @@ pub fn all() -> Vec<Scenario> {
             api::thread_groups,
         ),
         s(
+            "norm_fused",
+            "all-reduce + residual add + RMSNorm: every type, hidden 1 to 65536, 1-512 tokens, every path, eager/graph, bad inputs",
+            2,
+            Some(8),
+            &[2, 3, 8],
+            Nothing,
+            norm::fused_norm,
+        ),
+        s(
             "oneshot_sizes",
             "one-shot all-reduce, 1 element to 64 MiB, odd counts, eager/async/captured, bit-identical",
             2,
@@ -252,6 +263,15 @@ pub fn all() -> Vec<Scenario> {
             &[2, 3, 4, 8],
             Nothing,
             oneshot_split::split,
+        ),
+        s(
+            "norm_kernel_one_device",
+            "the fused one-shot + add + norm kernel and the separate add + norm kernel, 2-8 ranks simulated on one device, bit for bit",
+            1,
+            Some(1),
+            &[1],
+            Nothing,
+            norm_kernel::kernel_one_device,
         ),
         s(
             "oneshot_kernel_one_device",

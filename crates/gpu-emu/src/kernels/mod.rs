@@ -3,11 +3,14 @@
 //! `cuModuleGetFunction`, `cuLaunchKernel`), which know the kernels by
 //! name and are the only way to launch one, and each kernel's host
 //! implementation: `bf16_add` (`bf16_add_inplace`) and `one_shot` (the
-//! one-shot all-reduces of bf16, f16 and f32).
+//! one-shot all-reduces of bf16, f16 and f32, and their fused add +
+//! norm variants) and `norm` (the residual add + RMSNorm).
 //!
 //! Invariant: kernels reach memory and streams only through `cuda`
 //! (`memory::access`, `stream::Launcher`), which knows nothing of them.
 
 mod bf16_add;
+mod fused;
 pub(crate) mod module;
+mod norm;
 mod one_shot;

@@ -2,7 +2,8 @@
 //! PTX text, and `cuLaunchKernel` runs the project's kernels that the
 //! emulator knows as host code on the stream (`bf16_add_inplace` in
 //! `bf16_add`; `bf16_one_shot_all_reduce`, `f16_one_shot_all_reduce` and
-//! `f32_one_shot_all_reduce` in `one_shot`).
+//! `f32_one_shot_all_reduce` and the fused `*_one_shot_add_rms_norm` in
+//! `one_shot`; `*_add_rms_norm` in `norm`).
 //!
 //! Invariants:
 //! - A function handle exists only for an entry that is in its module's PTX
@@ -18,7 +19,7 @@ use std::sync::Arc;
 
 use cuda_sys::{CUfunction, CUmodule, CUresult, CUstream};
 
-use super::{bf16_add, one_shot};
+use super::{bf16_add, fused, norm, one_shot};
 use crate::cuda::driver::{self, check_init, code};
 use crate::cuda::stream;
 use crate::{Table, guard, id_to_ptr, ptr_to_id, put};
@@ -31,13 +32,23 @@ enum Kernel {
     /// `{bf16,f16,f32}_one_shot_all_reduce(OsCtrl* ctrl, T* data, u64 n,
     /// u32 lane)`, run by `one_shot`.
     OneShotAllReduce(one_shot::Elem),
+    /// `{bf16,f16,f32}_add_rms_norm(T* x, T* residual, const T* weight,
+    /// u64 hidden, u64 rows, f32 eps)`, run by `norm`.
+    AddRmsNorm(one_shot::Elem),
+    /// `{bf16,f16,f32}_one_shot_add_rms_norm(OsCtrl* ctrl, T* x, T*
+    /// residual, const T* weight, u64 hidden, u64 rows, f32 eps, u32
+    /// lane)`, run by `one_shot` and `norm`.
+    FusedOneShot(one_shot::Elem),
 }
 
 impl Kernel {
     fn by_name(name: &str) -> Option<Self> {
         match name {
             metrale_kernel_abi::add::NAME => Some(Kernel::Bf16AddInplace),
-            _ => one_shot::Elem::by_name(name).map(Kernel::OneShotAllReduce),
+            _ => one_shot::Elem::by_name(name)
+                .map(Kernel::OneShotAllReduce)
+                .or_else(|| norm::by_name(name).map(Kernel::AddRmsNorm))
+                .or_else(|| norm::fused_by_name(name).map(Kernel::FusedOneShot)),
         }
     }
 }
@@ -217,9 +228,57 @@ pub unsafe extern "C" fn cuLaunchKernel(
                     let l = one_shot::launcher(elem, (ctrl, data, n, lane), dev)?;
                     stream::submit(&target, l)
                 }
+                Kernel::AddRmsNorm(elem) => {
+                    // SAFETY: `params` holds pointers to the six arguments
+                    // (this function's contract).
+                    let a = unsafe { norm_args(params, 0)? };
+                    stream::submit(&target, norm::launcher(elem, a, dev)?)
+                }
+                Kernel::FusedOneShot(elem) => {
+                    // SAFETY: `params` holds pointers to the eight
+                    // arguments (this function's contract).
+                    let (ctrl, a, lane) = unsafe {
+                        let p: [*mut c_void; 8] = std::array::from_fn(|i| *params.add(i));
+                        if p.iter().any(|a| a.is_null()) {
+                            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+                        }
+                        (
+                            p[0].cast::<u64>().read_unaligned(),
+                            norm_args(params, 1)?,
+                            p[7].cast::<u32>().read_unaligned(),
+                        )
+                    };
+                    let l = fused::launcher(elem, ctrl, a, lane, dev)?;
+                    stream::submit(&target, l)
+                }
             }
         })())
     })
+}
+
+/// The add + norm's six arguments `(x, residual, weight, hidden, rows,
+/// eps)`, from `params[at..at + 6]`.
+///
+/// # Safety
+/// `params` holds pointers to those arguments there.
+unsafe fn norm_args(params: *mut *mut c_void, at: usize) -> Result<norm::Args, CUresult> {
+    // SAFETY: this function's contract.
+    let p: [*mut c_void; 6] = std::array::from_fn(|i| unsafe { *params.add(at + i) });
+    if p.iter().any(|a| a.is_null()) {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let as_usize = |v: u64| usize::try_from(v).map_err(|_| CUresult::CUDA_ERROR_INVALID_VALUE);
+    // SAFETY: each pointer points to its argument's type (the contract).
+    unsafe {
+        Ok(norm::Args {
+            x: p[0].cast::<u64>().read_unaligned(),
+            res: p[1].cast::<u64>().read_unaligned(),
+            w: p[2].cast::<u64>().read_unaligned(),
+            hidden: as_usize(p[3].cast::<u64>().read_unaligned())?,
+            rows: as_usize(p[4].cast::<u64>().read_unaligned())?,
+            eps: p[5].cast::<f32>().read_unaligned(),
+        })
+    }
 }
 
 #[cfg(test)]

@@ -71,7 +71,7 @@ impl Elem {
     }
 
     /// Bytes of one value.
-    fn size(self) -> usize {
+    pub(crate) fn size(self) -> usize {
         match self {
             Elem::Bf16 | Elem::F16 => 2,
             Elem::F32 => 4,
@@ -123,8 +123,8 @@ impl Elem {
 
 // The kernels' ABI, from its one definition (`metrale-kernel-abi`).
 const SENTINEL: u32 = abi::SENTINEL;
-const CTRL_BYTES: usize = abi::CTRL_BYTES;
-const OFF_FLAGS: u64 = abi::OFF_FLAGS as u64;
+pub(super) const CTRL_BYTES: usize = abi::CTRL_BYTES;
+pub(super) const OFF_FLAGS: u64 = abi::OFF_FLAGS as u64;
 const OFF_TIMEOUT: u64 = abi::OFF_TIMEOUT_NS as u64;
 const OFF_RANK: u64 = abi::OFF_RANK as u64;
 const OFF_WORLD: u64 = abi::OFF_WORLD as u64;
@@ -144,10 +144,10 @@ const MAX_SLOT: u64 = abi::MAX_SLOT_BYTES as u64;
 const STATUS_TIMEOUT: u32 = Status::Timeout as u32;
 const STATUS_ABORTED: u32 = Status::Aborted as u32;
 const STATUS_CONCURRENT: u32 = Status::Concurrent as u32;
-const STATUS_BAD_LAUNCH: u32 = Status::BadLaunch as u32;
+pub(super) const STATUS_BAD_LAUNCH: u32 = Status::BadLaunch as u32;
 
 /// Launch numbers (the GPU's `%gridid`), from which owner tags are made.
-static LAUNCHES: AtomicU64 = AtomicU64::new(1);
+pub(super) static LAUNCHES: AtomicU64 = AtomicU64::new(1);
 
 /// The word of emulated memory at `addr`.
 ///
@@ -163,7 +163,7 @@ unsafe fn word<'a>(addr: u64) -> &'a AtomicU32 {
 ///
 /// # Safety
 /// As for [`word`], 8-byte aligned.
-unsafe fn word64<'a>(addr: u64) -> &'a AtomicU64 {
+pub(super) unsafe fn word64<'a>(addr: u64) -> &'a AtomicU64 {
     // SAFETY: this function's contract.
     unsafe { AtomicU64::from_ptr(addr as usize as *mut u64) }
 }
@@ -292,7 +292,7 @@ fn flag(flags: u64, i: u64) -> Option<u32> {
 /// Records `code` as the status unless one is recorded already: in the
 /// control block's `failed` word (the first wins), then in the host's
 /// status word.
-fn fail(ctrl: u64, flags: u64, code: u32) -> Option<()> {
+pub(super) fn fail(ctrl: u64, flags: u64, code: u32) -> Option<()> {
     let first = memory::access(&[Span::device(ctrl, CTRL_BYTES)], || {
         // SAFETY: the span holds the control block; `failed` is aligned.
         let failed = unsafe { word(ctrl + OFF_FAILED) };
@@ -318,17 +318,23 @@ fn failed(ctrl: u64) -> Option<u32> {
 }
 
 /// A launch's owner tag (`os_tag`, [`abi::owner_tag`]).
-fn tag(launch: u64) -> u64 {
+pub(super) fn tag(launch: u64) -> u64 {
     abi::owner_tag(launch)
 }
 
-/// One execution; `None` when memory it needed was not allocated.
-fn run(e: Elem, (ctrl, data, n, lane): (u64, u64, usize, u32), tag: u64) -> Option<()> {
+/// One execution; `None` when memory it needed was not allocated,
+/// `Some(true)` when the call completed (`false`: it recorded a status or
+/// found one).
+pub(super) fn run(
+    e: Elem,
+    (ctrl, data, n, lane): (u64, u64, usize, u32),
+    tag: u64,
+) -> Option<bool> {
     let t0 = Instant::now();
     let ctrl_span = Span::device(ctrl, CTRL_BYTES);
     // SAFETY: the span holds the control block for the read.
     let c = memory::access(&[ctrl_span], || unsafe { read_ctrl(ctrl) })?;
-    let fail = |code| fail(ctrl, c.flags, code);
+    let fail = |code| fail(ctrl, c.flags, code).map(|()| false);
     let slot = c.slot;
     if lane as usize >= abi::LANES
         || !(2..=MAX_RANKS).contains(&c.world)
@@ -343,7 +349,7 @@ fn run(e: Elem, (ctrl, data, n, lane): (u64, u64, usize, u32), tag: u64) -> Opti
         return fail(STATUS_BAD_LAUNCH);
     }
     if failed(ctrl)? != 0 {
-        return Some(());
+        return Some(false);
     }
     let lane_at = ctrl + OFF_LANES + LANE_BYTES * u64::from(lane);
     // The claim (`one_shot.cu`): an OR of the launch's tag that finds
@@ -443,7 +449,7 @@ fn run(e: Elem, (ctrl, data, n, lane): (u64, u64, usize, u32), tag: u64) -> Opti
             break;
         }
         if failed(ctrl)? != 0 {
-            return Some(());
+            return Some(false);
         }
         if t0.elapsed() > HOST_POLL_AFTER && flag(c.flags, abi::FLAG_ABORT as u64)? != 0 {
             return fail(STATUS_ABORTED);
@@ -477,7 +483,7 @@ fn run(e: Elem, (ctrl, data, n, lane): (u64, u64, usize, u32), tag: u64) -> Opti
         word64(lane_at).store(u64::from(epoch + 1) & EPOCH_MASK, Ordering::Release);
     })?;
     cost::charge(CostOp::OneShot, rank, e.size() * n);
-    Some(())
+    Some(true)
 }
 
 #[cfg(test)]

@@ -181,6 +181,8 @@ struct Inner {
     /// seen complete: shutdown aborts such a receive at once, since only
     /// the root's next command could complete it.
     idle_pending: Mutex<Option<Arc<Event>>>,
+    /// The add + norm kernels, loaded on first use (set once).
+    norm: std::sync::OnceLock<crate::norm::NormKernels>,
 }
 
 /// The NCCL implementation of [`CommBackend`](crate::CommBackend). See the
@@ -379,6 +381,7 @@ impl Inner {
             calls,
             one_shot_flags: one_shot::Flags::default(),
             idle_pending: Mutex::new(None),
+            norm: std::sync::OnceLock::new(),
         }))
     }
 }

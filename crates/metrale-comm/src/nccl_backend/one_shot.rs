@@ -113,9 +113,10 @@ pub(super) struct Live {
     pub(super) slot_bytes: usize,
 }
 
-/// The kernel of every type the path serves ([`kernels::ONE_SHOT_ENTRIES`]),
+/// The kernel of every type the path serves ([`kernels::ONE_SHOT_ENTRIES`])
+/// and its fused add + norm variant ([`crate::norm::fused_one_shot_name`]),
 /// of one module.
-pub(super) struct Kernels(Vec<(DataType, Function)>);
+pub(super) struct Kernels(Vec<(DataType, Function, Function)>);
 
 impl Kernels {
     fn load(ctx: &Arc<Context>) -> nccl_safe::Result<Kernels> {
@@ -124,14 +125,22 @@ impl Kernels {
         let module = Module::load_ptx(ctx, kernels::ONE_SHOT_PTX)?;
         kernels::ONE_SHOT_ENTRIES
             .iter()
-            .map(|&(dtype, name)| Ok((dtype, module.function(name)?)))
+            .map(|&(dtype, name)| {
+                let fused = crate::norm::fused_one_shot_name(dtype).unwrap_or_default();
+                Ok((dtype, module.function(name)?, module.function(fused)?))
+            })
             .collect::<nccl_safe::Result<_>>()
             .map(Kernels)
     }
 
     /// The kernel for `dtype`, `None` for a type the path does not serve.
     pub(super) fn of(&self, dtype: DataType) -> Option<&Function> {
-        self.0.iter().find(|(t, _)| *t == dtype).map(|(_, f)| f)
+        self.0.iter().find(|(t, ..)| *t == dtype).map(|(_, f, _)| f)
+    }
+
+    /// The fused add + norm kernel for `dtype`.
+    fn fused(&self, dtype: DataType) -> Option<&Function> {
+        self.0.iter().find(|(t, ..)| *t == dtype).map(|(.., f)| f)
     }
 }
 
@@ -293,7 +302,7 @@ impl OneShot {
         span: Span,
         target: Target,
     ) -> nccl_safe::Result<()> {
-        let (dtype, stream) = (span.dtype, target.stream);
+        let dtype = span.dtype;
         let kernel = self.kernel(dtype).cloned();
         let (Some(live), Some(kernel), true) = (self.live.as_ref(), kernel, self.on) else {
             return Err(nccl_safe::Error::invalid(
@@ -302,6 +311,82 @@ impl OneShot {
             ));
         };
         let (ctrl, chunk) = (live.ctrl.device_ptr(), live.slot_bytes / dtype.size());
+        self.ordered(ctx, target, |lane, stream| {
+            for piece in span.chunks(chunk) {
+                // SAFETY: `kernel` is `dtype`'s; the piece lies inside the
+                // caller's view of `dtype` values on this context; `ctrl` is
+                // this rank's set-up control block, which lives until the
+                // release waited for this work.
+                unsafe {
+                    kernels::launch_one_shot(
+                        &kernel,
+                        ctrl,
+                        piece.ptr,
+                        (piece.len, dtype),
+                        lane,
+                        stream,
+                    )?
+                };
+            }
+            Ok(())
+        })
+    }
+
+    /// How many rows of `args` one fused launch takes (its slot's worth),
+    /// `None` when the fused kernel cannot take them (the path off, rows
+    /// larger than a slot, or rows and addresses not 16-byte aligned).
+    pub(super) fn fused_rows(&self, args: &crate::norm::NormArgs) -> Option<usize> {
+        let live = self.live.as_ref().filter(|_| self.on)?;
+        self.kernels.as_ref()?.fused(args.dtype)?;
+        let per = live.slot_bytes / (args.hidden * args.dtype.size());
+        (args.fusable() && per > 0).then_some(per)
+    }
+
+    /// Enqueues the fused one-shot all-reduce + add + norm of `args` at
+    /// `target`, one launch per slot's worth of rows; the caller checked
+    /// [`OneShot::fused_rows`].
+    pub(super) fn enqueue_fused(
+        &mut self,
+        ctx: &Arc<Context>,
+        args: crate::norm::NormArgs,
+        target: Target,
+    ) -> nccl_safe::Result<()> {
+        let kernel = self
+            .kernels
+            .as_ref()
+            .and_then(|k| k.fused(args.dtype))
+            .cloned();
+        let (Some(per), Some(live), Some(kernel)) =
+            (self.fused_rows(&args), self.live.as_ref(), kernel)
+        else {
+            return Err(nccl_safe::Error::invalid(
+                "fused one-shot all-reduce",
+                format!("the path cannot take these rows of {}", args.dtype),
+            ));
+        };
+        let ctrl = live.ctrl.device_ptr();
+        self.ordered(ctx, target, |lane, stream| {
+            for first in (0..args.rows).step_by(per) {
+                let piece = args.rows(first, per.min(args.rows - first));
+                // SAFETY: `kernel` is the fused entry of the type; the rows
+                // lie inside the caller's checked views on this context and
+                // fill at most one slot; `ctrl` as in `enqueue`.
+                unsafe { crate::norm::launch_fused(&kernel, ctrl, piece, lane, stream)? };
+            }
+            Ok(())
+        })
+    }
+
+    /// Runs `launch(lane, stream)` ordered with this rank's other one-shots
+    /// (see the module docs): lane 1 and the graph order when `target` is
+    /// captured, lane 0 and `eager_done` otherwise.
+    fn ordered(
+        &mut self,
+        ctx: &Arc<Context>,
+        target: Target,
+        launch: impl FnOnce(u32, CUstream) -> nccl_safe::Result<()>,
+    ) -> nccl_safe::Result<()> {
+        let stream = target.stream;
         let captured = target.capture == Capture::Graph;
         let lane = if captured { LANE_GRAPH } else { LANE_EAGER };
         let mut open = None;
@@ -353,22 +438,7 @@ impl OneShot {
             // context (a `StreamRef`); the event is ours.
             unsafe { self.eager_done.wait_raw(stream)? };
         }
-        for piece in span.chunks(chunk) {
-            // SAFETY: `kernel` is `dtype`'s; the piece lies inside the
-            // caller's view of `dtype` values on this context; `ctrl` is
-            // this rank's set-up control block, which lives until the
-            // release waited for this work.
-            unsafe {
-                kernels::launch_one_shot(
-                    &kernel,
-                    ctrl,
-                    piece.ptr,
-                    (piece.len, dtype),
-                    lane,
-                    stream,
-                )?
-            };
-        }
+        launch(lane, stream)?;
         if let Some(at) = open {
             self.graphs_captured = true;
             let c = &mut self.captures[at];

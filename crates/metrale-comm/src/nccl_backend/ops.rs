@@ -219,6 +219,56 @@ impl CommBackend for NcclBackend {
         Ok(())
     }
 
+    fn all_reduce_add_rms_norm(
+        &self,
+        x: DeviceViewMut<'_>,
+        residual: DeviceViewMut<'_>,
+        weight: DeviceView<'_>,
+        eps: f32,
+        stream: StreamRef<'_>,
+    ) -> Result<()> {
+        const OP: &str = "all_reduce_add_rms_norm";
+        let s = Span::from(&x);
+        let args = validate::add_rms_norm(OP, s, Span::from(&residual), Span::from(&weight), eps)?;
+        if args.rows == 0 {
+            return self.inner.check_usable(OP);
+        }
+        let norm = self.add_rms_norm_kernels()?;
+        let kernel = norm
+            .of(args.dtype)
+            .ok_or_else(|| CommError::InvalidArgument {
+                op: OP,
+                reason: format!("no add + norm kernel for {}", args.dtype),
+            })?;
+        // One submission: the path the all-reduce would take decides; on
+        // the one-shot path one fused kernel does both, elsewhere the
+        // all-reduce is followed on the same stream by the add + norm
+        // kernel (what the trait's provided implementation does).
+        let sub = Submission::of(OP, &s).on(stream);
+        self.inner.submit(sub, |inner, slot, at| {
+            let path = inner.choose_path(
+                slot,
+                super::path::Memory::At(s.ptr),
+                s.bytes(),
+                s.dtype,
+                at.capture,
+            );
+            if path == super::AllReducePath::OneShot && slot.one_shot.fused_rows(&args).is_some() {
+                return slot.one_shot.enqueue_fused(&inner.ctx, args, at);
+            }
+            inner.all_reduce_on(slot, s, at)?;
+            // SAFETY: the views hold `rows * hidden` and `hidden` values
+            // (checked; their contracts); the kernel is of this context; the
+            // stream is the caller's live stream.
+            unsafe { crate::norm::launch_add_rms_norm(kernel, args, at.stream) }
+        })?;
+        Ok(())
+    }
+
+    fn add_rms_norm_kernels(&self) -> Result<&crate::norm::NormKernels> {
+        crate::norm::kernels_in(&self.inner.norm, &self.inner.ctx)
+    }
+
     unsafe fn register_buffer(&self, buf: DeviceView<'_>) -> Result<Registration> {
         const OP: &str = "register_buffer";
         let s = Span::from(&buf);

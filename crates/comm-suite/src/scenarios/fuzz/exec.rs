@@ -28,7 +28,7 @@ use parking_lot::Mutex;
 use super::super::turns::Turns;
 use super::device::{Mem, device, pair, write_sym};
 use super::program::{COLLECTIVE_TIMEOUT, Item, On, Op, Program, Step};
-use super::reference::{Plan, StepPlan, compare};
+use super::reference::{NORM_EPS, Plan, StepPlan, compare, compare_f64};
 use crate::RankCtx;
 use crate::data::size_name;
 
@@ -37,6 +37,8 @@ pub(super) struct Pending {
     pub what: String,
     pub mem: Mem,
     pub want: Option<Vec<i32>>,
+    /// As `want`, for values that need not be whole.
+    pub want_f64: Option<Vec<f64>>,
 }
 
 pub(super) struct SlotMem {
@@ -181,6 +183,7 @@ impl Run<'_> {
                 what: format!("{label}: {}", bp.role),
                 mem: m,
                 want: if ok { bp.want.clone() } else { None },
+                want_f64: if ok { bp.want_f64.clone() } else { None },
             });
         }
         r
@@ -219,6 +222,20 @@ impl Run<'_> {
                 call(
                     "all_reduce_async",
                     self.backends[*b].all_reduce_async(buf, stream(*s)),
+                )
+            }
+            Op::AddRmsNorm { b, stream: s, .. } => {
+                let (x, rest) = mems.split_at_mut(1);
+                let (r, w) = rest.split_at_mut(1);
+                call(
+                    "all_reduce_add_rms_norm",
+                    self.backends[*b].all_reduce_add_rms_norm(
+                        x[0].view_mut(),
+                        r[0].view_mut(),
+                        w[0].view(),
+                        NORM_EPS,
+                        stream(*s),
+                    ),
                 )
             }
             Op::AllGather { b, .. } => {
@@ -511,6 +528,12 @@ impl Run<'_> {
             if settled && let Some(want) = &p.want {
                 match p.mem.read(self.c) {
                     Ok(got) => st.failures.extend(compare(&p.what, &got, want)),
+                    Err(e) => st.failures.push(format!("{}: reading back: {e:#}", p.what)),
+                }
+            }
+            if settled && let Some(want) = &p.want_f64 {
+                match p.mem.read(self.c) {
+                    Ok(got) => st.failures.extend(compare_f64(&p.what, &got, want)),
                     Err(e) => st.failures.push(format!("{}: reading back: {e:#}", p.what)),
                 }
             }

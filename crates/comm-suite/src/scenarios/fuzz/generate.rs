@@ -112,11 +112,12 @@ enum Kind {
     Synchronize,
     SyncAll,
     Bad,
+    AddRmsNorm,
 }
 
 /// How often each kind is drawn; point-to-point steps and commands need a
 /// peer.
-fn weights(world: usize) -> [(Kind, usize); 22] {
+fn weights(world: usize) -> [(Kind, usize); 23] {
     let p2p = usize::from(world > 1);
     [
         (Kind::AllReduce, 14),
@@ -141,6 +142,7 @@ fn weights(world: usize) -> [(Kind, usize); 22] {
         (Kind::Synchronize, 5),
         (Kind::SyncAll, 5),
         (Kind::Bad, 3),
+        (Kind::AddRmsNorm, 4),
     ]
 }
 
@@ -206,6 +208,13 @@ pub(super) fn generate(seed: u64, world: usize) -> Program {
                 ty,
                 stream,
                 on,
+            },
+            Kind::AddRmsNorm => Op::AddRmsNorm {
+                b,
+                hidden: [1, 3, 8, 64, 1000, 4096][g.below(6)],
+                tokens: 1 + g.below(8),
+                ty: g.reduce_ty(),
+                stream,
             },
             Kind::AllGather => Op::AllGather { b, n: g.small() },
             Kind::ReduceScatter => Op::ReduceScatter {

@@ -293,6 +293,15 @@ pub(super) enum Op {
         stream: usize,
         on: On,
     },
+    /// `all_reduce_add_rms_norm` of `tokens` rows of `hidden` values on
+    /// caller stream `stream` (fresh x, residual and weight).
+    AddRmsNorm {
+        b: usize,
+        hidden: usize,
+        tokens: usize,
+        ty: Ty,
+        stream: usize,
+    },
     AllGather {
         b: usize,
         n: usize,
@@ -423,6 +432,17 @@ impl fmt::Display for Op {
                 "b{b} all_reduce_async {} on s{stream}{}",
                 elems(*n, *ty),
                 on_name(*on)
+            ),
+            Op::AddRmsNorm {
+                b,
+                hidden,
+                tokens,
+                ty,
+                stream,
+            } => write!(
+                f,
+                "b{b} all_reduce_add_rms_norm {tokens} x {} on s{stream}",
+                elems(*hidden, *ty)
             ),
             Op::AllGather { b, n } => {
                 write!(f, "b{b} all_gather {} per rank", elems(*n, Ty::Bf16))

@@ -31,6 +31,9 @@ pub(super) struct BufPlan {
     pub len: usize,
     pub init: Option<Vec<i32>>,
     pub want: Option<Vec<i32>>,
+    /// What the buffer holds after the step when it is not whole numbers
+    /// (the add + norm's output), compared instead of `want`.
+    pub want_f64: Option<Vec<f64>>,
     pub role: &'static str,
 }
 
@@ -125,6 +128,7 @@ fn fresh(ty: Ty, mine: Vec<i32>, want: Vec<i32>, role: &'static str) -> BufPlan 
         len: mine.len(),
         init: Some(mine),
         want: Some(want),
+        want_f64: None,
         role,
     }
 }
@@ -135,6 +139,7 @@ fn poisoned(ty: Ty, want: Vec<i32>, role: &'static str) -> BufPlan {
         len: want.len(),
         init: None,
         want: Some(want),
+        want_f64: None,
         role,
     }
 }
@@ -144,6 +149,59 @@ fn plan_reduce(p: &Program, rank: usize, uid: u32, role: u64, n: usize, ty: Ty) 
     let v = inputs(p, uid, role, n, ty);
     let s = sum(&v);
     fresh(ty, v[rank].clone(), s, "buffer")
+}
+
+/// The epsilon of the fuzzed add + norm steps.
+pub(super) const NORM_EPS: f32 = 1e-5;
+
+/// x (every rank's small integers, whose sum is exact on every path), the
+/// residual (the same on every rank) and the weight; the outputs from
+/// `metrale_comm::norm::add_rms_norm_reference` in the type.
+fn plan_norm(
+    p: &Program,
+    rank: usize,
+    uid: u32,
+    (hidden, tokens): (usize, usize),
+    ty: Ty,
+) -> [BufPlan; 3] {
+    let n = hidden * tokens;
+    let v = inputs(p, uid, 0, n, ty);
+    let s = sum(&v);
+    let res = rank_inputs(p, 0, uid, 1, n, ty);
+    let w: Vec<i32> = rank_inputs(p, 0, uid, 2, hidden, ty)
+        .into_iter()
+        .map(|x| if x == 0 { 1 } else { x })
+        .collect();
+    let (x_want, r_want) = match ty {
+        Ty::F16 => norm_in::<half::f16>(&s, &res, &w),
+        Ty::F32 => norm_in::<f32>(&s, &res, &w),
+        _ => norm_in::<bf16>(&s, &res, &w),
+    };
+    let with = |mine: Vec<i32>, want: Vec<f64>, role| BufPlan {
+        ty,
+        len: mine.len(),
+        init: Some(mine),
+        want: None,
+        want_f64: Some(want),
+        role,
+    };
+    [
+        with(v[rank].clone(), x_want, "x"),
+        with(res, r_want, "residual"),
+        fresh(ty, w.clone(), w, "weight"),
+    ]
+}
+
+fn norm_in<T: metrale_comm::kernels::OneShotElement>(
+    s: &[i32],
+    res: &[i32],
+    w: &[i32],
+) -> (Vec<f64>, Vec<f64>) {
+    let t = |v: &[i32]| -> Vec<T> { v.iter().map(|&x| T::from_f32(x as f32)).collect() };
+    let mut r = t(res);
+    let x = metrale_comm::norm::add_rms_norm_reference(&t(s), &mut r, &t(w), NORM_EPS);
+    let f = |v: Vec<T>| v.into_iter().map(|x| f64::from(x.to_f32())).collect();
+    (f(x), f(r))
 }
 
 fn plan_gather(p: &Program, rank: usize, uid: u32, role: u64, n: usize) -> [BufPlan; 2] {
@@ -266,6 +324,20 @@ pub(super) fn prepare(prog: &Program, rank: usize) -> (Program, Plan) {
                     plan.bufs.push(plan_reduce(prog, rank, uid, 0, *n, *ty));
                 }
                 true
+            }
+            Op::AddRmsNorm {
+                b,
+                hidden,
+                tokens,
+                ty,
+                stream,
+            } => {
+                if *ty == Ty::U32 {
+                    *ty = Ty::Bf16;
+                }
+                plan.bufs
+                    .extend(plan_norm(prog, rank, uid, (*hidden, *tokens), *ty));
+                *b < nb && *stream < ns
             }
             Op::AllGather { b, n } => {
                 plan.bufs.extend(plan_gather(prog, rank, uid, 0, *n));
@@ -392,6 +464,7 @@ pub(super) fn prepare(prog: &Program, rank: usize) -> (Program, Plan) {
                     len: *n,
                     init: Some(vals[rank].clone()),
                     want: None,
+                    want_f64: None,
                     role: "slot",
                 });
                 slots.insert(
@@ -436,6 +509,7 @@ pub(super) fn prepare(prog: &Program, rank: usize) -> (Program, Plan) {
                     len: *n,
                     init: Some(vals[rank].clone()),
                     want: None,
+                    want_f64: None,
                     role: "graph buffer",
                 });
                 graphs.insert(uid, GraphModel { vals });
@@ -520,6 +594,28 @@ fn snapshot(
 /// `None` when `got` equals `want` element for element, else what is
 /// wrong (how many elements, how many still hold the poison pattern, the
 /// first).
+/// [`compare`] against values that need not be whole.
+pub(super) fn compare_f64(what: &str, got: &[f64], want: &[f64]) -> Option<String> {
+    if got.len() != want.len() {
+        return Some(format!(
+            "{what}: {} elements read, {} expected",
+            got.len(),
+            want.len()
+        ));
+    }
+    let bad: Vec<usize> = (0..got.len())
+        .filter(|&i| got[i].to_bits() != want[i].to_bits())
+        .collect();
+    let &i = bad.first()?;
+    Some(format!(
+        "{what}: {} of {} elements wrong; first at {i}: got {}, expected {}",
+        bad.len(),
+        got.len(),
+        got[i],
+        want[i]
+    ))
+}
+
 pub(super) fn compare(what: &str, got: &[f64], want: &[i32]) -> Option<String> {
     if got.len() != want.len() {
         return Some(format!(

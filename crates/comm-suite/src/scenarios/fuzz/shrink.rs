@@ -200,6 +200,7 @@ fn each_ref(op: &mut Op, b: &mut impl FnMut(&mut usize), s: &mut impl FnMut(&mut
             s(recv_stream);
         }
         Op::AllReduceAsync { b: x, stream, .. }
+        | Op::AddRmsNorm { b: x, stream, .. }
         | Op::SendOne { b: x, stream, .. }
         | Op::Capture { b: x, stream, .. } => {
             b(x);

@@ -1,0 +1,349 @@
+//! The fused all-reduce + residual add + RMSNorm on one GPU (criterion):
+//! `k` = 2, 4 and 8 ranks simulated on device 0
+//! (`comm_suite::one_shot_local`), each rank's kernels on its own stream,
+//! bf16, hidden 4096 and 8192 x tokens 1, 8, 32 and 128, side by side in
+//! one run:
+//! - `norm_local/{mode}/k{k}/fused`: the fused one-shot kernel
+//!   (`bf16_one_shot_add_rms_norm`);
+//! - `.../one_shot`: the plain one-shot all-reduce alone;
+//! - `.../one_shot+norm`: the plain one-shot, then the separate add + norm
+//!   kernel (`bf16_add_rms_norm`) on the same stream;
+//! - `norm_local/{mode}/norm`: the separate kernel alone, one launch on
+//!   one stream, with criterion's throughput the bytes it must move
+//!   (x and the residual read, both written, the weight read: `4 n + h`
+//!   values), so the report gives its bandwidth;
+//!
+//! `mode` is `eager` (the host launches every rank's kernels per call) or
+//! `graph` (graphs of [`GRAPH_CALLS`] calls per rank, replayed: the GPU's
+//! time per call). The targets (fused at most 1.15x the one-shot;
+//! at least 1.4x faster than one-shot + norm up to 32 tokens; the separate
+//! kernel at >= 70 % of the device's bandwidth at 128 x 8192) are read off
+//! this table (docs/benchmarks.md).
+//!
+//! Invariants: every (k, shape) starts with one fused call checked against
+//! the host reference bit for bit on every rank; timed calls run in place
+//! (the GPU's time does not depend on the values); every wait is bounded;
+//! without a CUDA driver it prints one line and exits 0.
+
+use std::time::{Duration, Instant};
+
+use comm_suite::one_shot_local::{LANE_EAGER, LANE_GRAPH, LocalOneShot};
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use half::bf16;
+use metrale_comm::kernels::{self, OneShotElement};
+use metrale_comm::norm::{self, NormArgs};
+use nccl_safe::{Context, DeviceBuffer, Function, GraphExec, Module, Stream};
+
+/// Calls per rank in one captured graph.
+const GRAPH_CALLS: u64 = 20;
+/// The slot: 128 x 8192 bf16 values.
+const SLOT_BYTES: usize = 2 << 20;
+const HIDDEN: [usize; 2] = [4096, 8192];
+const TOKENS: [usize; 4] = [1, 8, 32, 128];
+const EPS: f32 = 1e-6;
+const WAIT: Duration = Duration::from_secs(60);
+
+/// The kernels of one call.
+#[derive(Clone, Copy, PartialEq)]
+enum Variant {
+    Fused,
+    OneShot,
+    OneShotNorm,
+}
+
+impl Variant {
+    fn name(self) -> &'static str {
+        match self {
+            Variant::Fused => "fused",
+            Variant::OneShot => "one_shot",
+            Variant::OneShotNorm => "one_shot+norm",
+        }
+    }
+}
+
+struct Kernels {
+    fused: Function,
+    plain: Function,
+    norm: Function,
+    _m: (Module, Module),
+}
+
+/// Per rank its residual, and the weight.
+struct Rows {
+    residual: Vec<DeviceBuffer<bf16>>,
+    weight: DeviceBuffer<bf16>,
+}
+
+fn args(g: &LocalOneShot<bf16>, t: &Rows, r: usize, hidden: usize, rows: usize) -> NormArgs {
+    NormArgs {
+        x: g.data_ptr(r),
+        residual: t.residual[r].device_ptr(),
+        weight: t.weight.device_ptr(),
+        hidden,
+        rows,
+        eps: EPS,
+        dtype: nccl_safe::DataType::Bfloat16,
+    }
+}
+
+/// One call of `v` on rank `r`'s stream (`s`, or the rank's own).
+fn call(
+    g: &LocalOneShot<bf16>,
+    k: &Kernels,
+    t: &Rows,
+    (r, v, lane): (usize, Variant, u32),
+    (hidden, rows): (usize, usize),
+) {
+    let s = g.stream(r).raw();
+    let a = args(g, t, r, hidden, rows);
+    // SAFETY: every kernel is of this context and of bf16; the control
+    // block is rank `r`'s with live receive buffers; x holds a slot of
+    // values (`rows * hidden` fit one), the residual and weight `rows *
+    // hidden` and `hidden`; all outlive the work (every stream is waited
+    // for before they drop).
+    unsafe {
+        match v {
+            Variant::Fused => norm::launch_fused(&k.fused, g.ctrl_ptr(r), a, lane, s),
+            Variant::OneShot | Variant::OneShotNorm => kernels::launch_one_shot(
+                &k.plain,
+                g.ctrl_ptr(r),
+                a.x,
+                (rows * hidden, a.dtype),
+                lane,
+                s,
+            )
+            .and_then(|()| {
+                if v == Variant::OneShotNorm {
+                    norm::launch_add_rms_norm(&k.norm, a, s)
+                } else {
+                    Ok(())
+                }
+            }),
+        }
+    }
+    .expect("launch");
+}
+
+fn norm_local(c: &mut Criterion) {
+    if let Err(e) = nccl_safe::device_count() {
+        println!("norm_local: no CUDA driver ({e}); nothing to measure");
+        return;
+    }
+    let ctx = Context::new(0).expect("device 0");
+    let m1 = Module::load_ptx(&ctx, kernels::ONE_SHOT_PTX).expect("the one-shot PTX");
+    let m2 = Module::load_ptx(&ctx, norm::ADD_RMS_NORM_PTX).expect("the norm PTX");
+    let dt = nccl_safe::DataType::Bfloat16;
+    let k = Kernels {
+        fused: m1
+            .function(norm::fused_one_shot_name(dt).unwrap_or_default())
+            .expect("fused"),
+        plain: m1.function(kernels::BF16_ONE_SHOT_NAME).expect("one-shot"),
+        norm: m2
+            .function(norm::add_rms_norm_name(dt).unwrap_or_default())
+            .expect("norm"),
+        _m: (m1, m2),
+    };
+    for ranks in [2usize, 4, 8] {
+        let mut g = LocalOneShot::<bf16>::new(&ctx, ranks, SLOT_BYTES, Duration::from_secs(30))
+            .expect("buffers");
+        let mut t = Rows {
+            residual: (0..ranks)
+                .map(|_| DeviceBuffer::<bf16>::alloc(&ctx, SLOT_BYTES / 2).expect("residual"))
+                .collect(),
+            weight: DeviceBuffer::from_host(&ctx, &vec![bf16::from_f32(0.75); 8192])
+                .expect("weight"),
+        };
+        for mode in ["eager", "graph"] {
+            for v in [Variant::Fused, Variant::OneShot, Variant::OneShotNorm] {
+                let mut group =
+                    c.benchmark_group(format!("norm_local/{mode}/k{ranks}/{}", v.name()));
+                for hidden in HIDDEN {
+                    for tokens in TOKENS {
+                        let shape = (hidden, tokens);
+                        if v == Variant::Fused && mode == "eager" {
+                            check_first(&mut g, &k, &mut t, shape);
+                        }
+                        let id = BenchmarkId::from_parameter(format!("{tokens}x{hidden}"));
+                        group.throughput(Throughput::Bytes((hidden * tokens * 2) as u64));
+                        if mode == "eager" {
+                            group.bench_function(id, |b| {
+                                b.iter_custom(|iters| {
+                                    let t0 = Instant::now();
+                                    for _ in 0..iters {
+                                        for r in 0..ranks {
+                                            call(&g, &k, &t, (r, v, LANE_EAGER), shape);
+                                        }
+                                    }
+                                    g.wait().expect("wait");
+                                    t0.elapsed()
+                                })
+                            });
+                        } else {
+                            let execs = capture(&g, &k, &t, v, shape);
+                            group.bench_function(id, |b| {
+                                b.iter_custom(|iters| replay(&g, &execs, iters))
+                            });
+                        }
+                    }
+                }
+                group.finish();
+            }
+        }
+    }
+    norm_alone(c, &ctx, &k);
+}
+
+/// One fused call on every rank, checked against the host reference.
+fn check_first(
+    g: &mut LocalOneShot<bf16>,
+    k: &Kernels,
+    t: &mut Rows,
+    (hidden, rows): (usize, usize),
+) {
+    let n = hidden * rows;
+    let inputs = g.fill(0x0e0 + n as u64, n).expect("fill");
+    let res0: Vec<bf16> = (0..n)
+        .map(|i| bf16::from_f32((i % 13) as f32 / 4.0 - 1.5))
+        .collect();
+    for r in &mut t.residual {
+        r.copy_prefix_from_host(&res0).expect("residual");
+    }
+    for r in 0..g.ranks() {
+        call(g, k, t, (r, Variant::Fused, LANE_EAGER), (hidden, rows));
+    }
+    g.wait().expect("wait");
+    let sum = kernels::one_shot_sum(&inputs).expect("sum");
+    let mut want_r = res0;
+    let w = vec![bf16::from_f32(0.75); hidden];
+    let want_x = norm::add_rms_norm_reference(&sum, &mut want_r, &w, EPS);
+    for r in 0..g.ranks() {
+        let x = g.output(r).expect("x");
+        let res = t.residual[r].to_host_vec().expect("residual");
+        assert!(
+            (0..n).all(|i| x[i].to_bits32() == want_x[i].to_bits32()
+                && res[i].to_bits32() == want_r[i].to_bits32()),
+            "rank {r}: the fused call at {rows} x {hidden} differs from the reference"
+        );
+    }
+}
+
+/// Per rank, a graph of [`GRAPH_CALLS`] calls of `v` on lane 1.
+fn capture(
+    g: &LocalOneShot<bf16>,
+    k: &Kernels,
+    t: &Rows,
+    v: Variant,
+    shape: (usize, usize),
+) -> Vec<GraphExec> {
+    (0..g.ranks())
+        .map(|r| {
+            let s = g.stream(r);
+            s.begin_capture().expect("capture");
+            for _ in 0..GRAPH_CALLS {
+                call(g, k, t, (r, v, LANE_GRAPH), shape);
+            }
+            s.end_capture()
+                .expect("end capture")
+                .instantiate()
+                .expect("instantiate")
+        })
+        .collect()
+}
+
+fn replay(g: &LocalOneShot<bf16>, execs: &[GraphExec], iters: u64) -> Duration {
+    let launches = iters.div_ceil(GRAPH_CALLS);
+    let t = Instant::now();
+    for _ in 0..launches {
+        for (r, exec) in execs.iter().enumerate() {
+            exec.launch(g.stream(r)).expect("replay");
+        }
+    }
+    g.wait().expect("wait");
+    t.elapsed()
+        .mul_f64(iters as f64 / (launches * GRAPH_CALLS) as f64)
+}
+
+/// The separate kernel alone, one stream, eager and in graphs.
+fn norm_alone(c: &mut Criterion, ctx: &std::sync::Arc<Context>, k: &Kernels) {
+    let n = 128 * 8192;
+    let x = DeviceBuffer::from_host(ctx, &vec![bf16::from_f32(0.5); n]).expect("x");
+    let r = DeviceBuffer::from_host(ctx, &vec![bf16::from_f32(0.25); n]).expect("residual");
+    let w = DeviceBuffer::from_host(ctx, &vec![bf16::from_f32(0.75); 8192]).expect("weight");
+    let s = Stream::new(ctx).expect("stream");
+    let launch = |hidden: usize, rows: usize| {
+        let a = NormArgs {
+            x: x.device_ptr(),
+            residual: r.device_ptr(),
+            weight: w.device_ptr(),
+            hidden,
+            rows,
+            eps: EPS,
+            dtype: nccl_safe::DataType::Bfloat16,
+        };
+        // SAFETY: the buffers hold 128 x 8192 values and a row of weight,
+        // and outlive the work (waited for below); the stream is live.
+        unsafe { norm::launch_add_rms_norm(&k.norm, a, s.raw()) }.expect("launch");
+    };
+    for mode in ["eager", "graph"] {
+        let mut group = c.benchmark_group(format!("norm_local/{mode}/norm"));
+        for hidden in HIDDEN {
+            for tokens in TOKENS {
+                let id = BenchmarkId::from_parameter(format!("{tokens}x{hidden}"));
+                group.throughput(Throughput::Bytes(((4 * tokens + 1) * hidden * 2) as u64));
+                if mode == "eager" {
+                    group.bench_function(id, |b| {
+                        b.iter_custom(|iters| {
+                            let t0 = Instant::now();
+                            for _ in 0..iters {
+                                launch(hidden, tokens);
+                            }
+                            s.wait_until_idle(WAIT).expect("wait");
+                            t0.elapsed()
+                        })
+                    });
+                } else {
+                    s.begin_capture().expect("capture");
+                    for _ in 0..GRAPH_CALLS {
+                        launch(hidden, tokens);
+                    }
+                    let exec = s
+                        .end_capture()
+                        .expect("end")
+                        .instantiate()
+                        .expect("instantiate");
+                    group.bench_function(id, |b| {
+                        b.iter_custom(|iters| {
+                            let launches = iters.div_ceil(GRAPH_CALLS);
+                            let t0 = Instant::now();
+                            for _ in 0..launches {
+                                exec.launch(&s).expect("replay");
+                            }
+                            s.wait_until_idle(WAIT).expect("wait");
+                            t0.elapsed()
+                                .mul_f64(iters as f64 / (launches * GRAPH_CALLS) as f64)
+                        })
+                    });
+                }
+            }
+        }
+        group.finish();
+    }
+}
+
+fn config() -> Criterion {
+    Criterion::default()
+        .measurement_time(Duration::from_secs(2))
+        .warm_up_time(Duration::from_millis(500))
+}
+
+/// The criterion group (in a private module: the macro's function is
+/// public and undocumented).
+mod group {
+    use super::*;
+    criterion_group! {
+        name = benches;
+        config = config();
+        targets = norm_local
+    }
+}
+criterion_main!(group::benches);

@@ -1,0 +1,88 @@
+// add_rms_norm.cu: the residual add + RMSNorm of metrale-comm, after an
+// all-reduce: residual <- x + residual, x <- rms_norm(residual) * weight,
+// row by row over `hidden`, in f32 (norm.cuh; the arithmetic is
+// crates/kernel-abi/src/norm.rs's `row`, bit for bit). One entry per type:
+// bf16_add_rms_norm, f16_add_rms_norm, f32_add_rms_norm.
+//
+// Compiled to PTX by `cargo xtask ptx` into add_rms_norm.ptx beside this
+// file (committed, loaded at run time with cuModuleLoadData).
+//
+// Launch contract:
+//   params: x        device pointer to rows * hidden values, read (the
+//                    all-reduced input) and written (the output);
+//           residual device pointer to rows * hidden values, read and
+//                    written (the new residual);
+//           weight   device pointer to hidden values, read;
+//           hidden   1 to NORM_MAX_HIDDEN (65536);
+//           rows     any count (block-stride loop over rows);
+//           eps      finite and positive.
+//   x, residual and weight are aligned to their element and do not overlap.
+//   block: norm_threads(hidden, size) = min(NORM_BLOCK, ceil(chunks / 32)
+//          * 32) threads in x (chunks = ceil(hidden / PER), PER = 16 /
+//          size): that count fixes the reduction order the host reference
+//          follows; a block that is not a whole number of warps does
+//          nothing.
+//   grid:  any; one block a row is the host's choice (at most 2^20 blocks).
+//   shared memory: static only.
+// Each row's residual is written in the first pass and read back by the
+// same thread in the second (no register limit on hidden); vector loads
+// when a row's address is 16-byte aligned.
+
+#include "abi.h"
+#include "norm.cuh"
+
+// The ABI this module was compiled against (crates/kernel-abi).
+extern "C" __device__ const unsigned long long metrale_kernel_abi = METRALE_KERNEL_ABI;
+
+template <class E>
+__device__ __forceinline__ void norm_rows(typename E::Bits* x, typename E::Bits* residual,
+                                          const typename E::Bits* weight,
+                                          unsigned long long hidden64, unsigned long long rows,
+                                          float eps)
+{
+    if ((blockDim.x & 31u) != 0u || hidden64 == 0ull || hidden64 > NORM_MAX_HIDDEN) {
+        return;
+    }
+    const unsigned int hidden = (unsigned int)hidden64;
+    const unsigned int chunks = (hidden + E::PER - 1u) / E::PER;
+    const bool wvec = (reinterpret_cast<unsigned long long>(weight) & 15ull) == 0ull;
+    for (unsigned long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        typename E::Bits* xr = x + row * hidden;
+        typename E::Bits* rr = residual + row * hidden;
+        const bool vec = ((reinterpret_cast<unsigned long long>(xr) |
+                           reinterpret_cast<unsigned long long>(rr)) & 15ull) == 0ull;
+        float acc = 0.0f;
+        for (unsigned int j = threadIdx.x; j < chunks; j += blockDim.x) {
+            const uint4 s = norm_load<E>(xr, hidden, j, vec);
+            const uint4 res = norm_load<E>(rr, hidden, j, vec);
+            norm_store<E>(rr, hidden, j, vec, norm_add<E>(s, res, acc));
+        }
+        const float inv = norm_inv(norm_block_sum(acc), hidden, eps);
+        for (unsigned int j = threadIdx.x; j < chunks; j += blockDim.x) {
+            const uint4 r = norm_load<E>(rr, hidden, j, vec);
+            const uint4 w = norm_load<E>(weight, hidden, j, wvec && vec);
+            norm_store<E>(xr, hidden, j, vec, norm_scale<E>(r, w, inv));
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
+bf16_add_rms_norm(unsigned short* x, unsigned short* residual, const unsigned short* weight,
+                  unsigned long long hidden, unsigned long long rows, float eps)
+{
+    norm_rows<NormBf16>(x, residual, weight, hidden, rows, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
+f16_add_rms_norm(unsigned short* x, unsigned short* residual, const unsigned short* weight,
+                 unsigned long long hidden, unsigned long long rows, float eps)
+{
+    norm_rows<NormF16>(x, residual, weight, hidden, rows, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_BLOCK)
+f32_add_rms_norm(unsigned int* x, unsigned int* residual, const unsigned int* weight,
+                 unsigned long long hidden, unsigned long long rows, float eps)
+{
+    norm_rows<NormF32>(x, residual, weight, hidden, rows, eps);
+}
