@@ -66,6 +66,7 @@ fn refusal(c: &mut Criterion) {
         },
         backend: 1,
         elsewhere: Vec::new(),
+        suspect: None,
     });
     c.bench_function("refusal/poisoned", |b| {
         b.iter(|| black_box(health.check(black_box("all_reduce"), 0, 2).is_err()))
