@@ -124,7 +124,10 @@ pub(super) struct Outcome {
 
 struct Wait {
     remaining: usize,
-    keys: Vec<Rc<[u8]>>,
+    /// The keys not yet there, each at the place its waiter entry names
+    /// (`None` once there): an arrival finds its key at once, so a wait
+    /// on n keys costs O(n) in all, not O(n^2).
+    keys: Vec<Option<Rc<[u8]>>>,
     charge: usize,
 }
 
@@ -133,7 +136,8 @@ struct Wait {
 pub(super) struct Store {
     map: HashMap<Vec<u8>, Vec<u8>>,
     queues: HashMap<Vec<u8>, VecDeque<Vec<u8>>>,
-    waiters: HashMap<Rc<[u8]>, Vec<ConnId>>,
+    /// Who waits on a key, with the key's place in their wait's list.
+    waiters: HashMap<Rc<[u8]>, Vec<(ConnId, usize)>>,
     waits: HashMap<ConnId, Wait>,
     /// Kept refusals, by the hash of their key (no key bytes are kept).
     refused: HashMap<u64, Rc<StoreRefusal>>,
@@ -484,12 +488,7 @@ impl Store {
         });
         let mut ended = Vec::new();
         for key in keys {
-            for id in self
-                .waiters
-                .get(key.as_slice())
-                .cloned()
-                .unwrap_or_default()
-            {
+            for &(id, _) in self.waiters.get(key.as_slice()).into_iter().flatten() {
                 ended.push((id, WaitEnd::Refused(Rc::clone(&shared))));
             }
             let h = self.hasher.hash_one(&key);
@@ -545,9 +544,13 @@ impl Store {
             format!("a WAIT on {} keys ({charge} bytes)", missing.len())
         })?;
         let keys: Vec<Rc<[u8]>> = missing.into_iter().map(Rc::from).collect();
-        for k in &keys {
-            self.waiters.entry(Rc::clone(k)).or_default().push(conn);
+        for (at, k) in keys.iter().enumerate() {
+            self.waiters
+                .entry(Rc::clone(k))
+                .or_default()
+                .push((conn, at));
         }
+        let keys: Vec<Option<Rc<[u8]>>> = keys.into_iter().map(Some).collect();
         self.waits.insert(
             conn,
             Wait {
@@ -607,12 +610,15 @@ impl Store {
             out.reply = Some(vec![proto::STOP_WAITING]);
         } else {
             let key: Rc<[u8]> = Rc::from(key);
-            self.waiters.entry(Rc::clone(&key)).or_default().push(conn);
+            self.waiters
+                .entry(Rc::clone(&key))
+                .or_default()
+                .push((conn, 0));
             self.waits.insert(
                 conn,
                 Wait {
                     remaining: 1,
-                    keys: vec![key],
+                    keys: vec![Some(key)],
                     charge: wait_charge,
                 },
             );
@@ -627,8 +633,8 @@ impl Store {
         let Some(ids) = self.waiters.remove(key) else {
             return;
         };
-        for id in ids {
-            self.satisfy(id, key, mem, out);
+        for (id, at) in ids {
+            self.satisfy(id, at, mem, out);
         }
         shrink(&mut self.waiters);
         shrink(&mut self.waits);
@@ -642,12 +648,12 @@ impl Store {
         let ids = std::mem::take(ids);
         let mut rest = Vec::new();
         let mut done = false;
-        for id in ids {
+        for (id, at) in ids {
             if done {
-                rest.push(id);
+                rest.push((id, at));
                 continue;
             }
-            done = self.satisfy(id, key, mem, out);
+            done = self.satisfy(id, at, mem, out);
         }
         if rest.is_empty() {
             self.waiters.remove(key);
@@ -656,13 +662,13 @@ impl Store {
         }
     }
 
-    /// Marks `key` of `id`'s wait as there; returns whether the wait ended.
-    fn satisfy(&mut self, id: ConnId, key: &[u8], mem: &mut Memory, out: &mut Outcome) -> bool {
+    /// Marks the key at `at` of `id`'s wait as there; returns whether the
+    /// wait ended.
+    fn satisfy(&mut self, id: ConnId, at: usize, mem: &mut Memory, out: &mut Outcome) -> bool {
         let Some(w) = self.waits.get_mut(&id) else {
             return false;
         };
-        if let Some(at) = w.keys.iter().position(|k| &**k == key) {
-            w.keys.swap_remove(at);
+        if w.keys.get_mut(at).and_then(Option::take).is_some() {
             w.remaining = w.remaining.saturating_sub(1);
         }
         if w.remaining > 0 {
@@ -681,9 +687,9 @@ impl Store {
             return;
         };
         mem.give(w.charge);
-        for k in &w.keys {
+        for k in w.keys.iter().flatten() {
             if let Some(ids) = self.waiters.get_mut(&**k) {
-                ids.retain(|x| *x != conn);
+                ids.retain(|x| x.0 != conn);
                 if ids.is_empty() {
                     self.waiters.remove(&**k);
                 }

@@ -170,7 +170,7 @@ impl Loop {
         if close && let Some(c) = self.conn(slot) {
             c.close_after_flush = true;
         }
-        self.flush(slot);
+        self.flush_soon(slot);
     }
 
     /// A query of a connection past its handshake.
@@ -201,7 +201,7 @@ impl Loop {
                 {
                     c.wait_since = Some(Instant::now());
                 }
-                self.flush(slot);
+                self.flush_soon(slot);
                 self.end_waits(out.ended);
             }
             Err((r, ended)) => {
@@ -220,7 +220,7 @@ impl Loop {
                         c.last_active = Instant::now();
                     }
                     self.reply(id, &[proto::STOP_WAITING]);
-                    self.flush(id);
+                    self.flush_soon(id);
                 }
                 WaitEnd::Refused(r) => {
                     // One refusal per wait: a set naming two of its keys

@@ -93,7 +93,12 @@ impl Loop {
     /// for the next turn (the connection is resumed), so one client that
     /// sends without pause never keeps the loop from the others, from
     /// accepting and from its deadlines.
-    pub(super) fn read(&mut self, slot: usize) {
+    ///
+    /// A read that fills less than the scratch buffer emptied the socket:
+    /// bytes that come after it raise a new readiness event, so it is not
+    /// followed by a read that would block, unless `to_the_end` (the peer
+    /// closed or failed: its end is read now, as no event will follow).
+    pub(super) fn read(&mut self, slot: usize, to_the_end: bool) {
         let mut budget = READ_BUDGET;
         loop {
             let Some(c) = self.conns.get_mut(slot).and_then(Option::as_mut) else {
@@ -120,10 +125,17 @@ impl Loop {
                 }
                 Ok(n) => {
                     budget = budget.saturating_sub(n);
+                    let emptied = n < self.scratch.len() && !to_the_end;
                     let buf = std::mem::take(&mut self.scratch);
                     let go_on = self.take_bytes(slot, &buf[..n]);
                     self.scratch = buf;
                     if !go_on {
+                        return;
+                    }
+                    if emptied {
+                        if let Some(c) = self.conn(slot) {
+                            c.unread = false;
+                        }
                         return;
                     }
                 }
@@ -142,8 +154,19 @@ impl Loop {
 
     /// Serves the queries in `bytes` (after the connection's tail); keeps
     /// an unfinished one. Returns false once the connection is closed or
-    /// must read no more for now.
+    /// must read no more for now. Their replies are written together, in
+    /// one write, once they are all queued.
     pub(super) fn take_bytes(&mut self, slot: usize, bytes: &[u8]) -> bool {
+        let outer = self.deferred.replace(slot);
+        let go_on = self.take_bytes_now(slot, bytes);
+        self.deferred = outer;
+        if self.conn(slot).is_some_and(|c| c.pending_out() > 0) {
+            self.flush(slot);
+        }
+        go_on && self.conn(slot).is_some()
+    }
+
+    fn take_bytes_now(&mut self, slot: usize, bytes: &[u8]) -> bool {
         let Some(c) = self.conns.get_mut(slot).and_then(Option::as_mut) else {
             return false;
         };
@@ -282,6 +305,14 @@ impl Loop {
             self.push(slot, &v);
         } else {
             self.push(slot, bytes);
+        }
+    }
+
+    /// Writes what is queued, unless the connection's queries are being
+    /// served ([`Loop::take_bytes`] writes their replies once, after).
+    pub(super) fn flush_soon(&mut self, slot: usize) {
+        if self.deferred != Some(slot) {
+            self.flush(slot);
         }
     }
 

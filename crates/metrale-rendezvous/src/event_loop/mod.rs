@@ -119,6 +119,9 @@ struct Loop {
     accept_paused_until: Option<Instant>,
     /// Connections whose reading stopped early, to resume.
     resume: VecDeque<usize>,
+    /// The connection whose queries are being served: its replies are
+    /// written once they are all queued (`io::Loop::take_bytes`).
+    deferred: Option<usize>,
 }
 
 /// Runs the loop until the server is stopped.
@@ -162,6 +165,7 @@ pub(super) fn run(
         io_charged: 0,
         accept_paused_until: None,
         resume: VecDeque::new(),
+        deferred: None,
     };
     lp.serve();
     lp.shut();
@@ -198,8 +202,9 @@ impl Loop {
                             if ev.is_writable() || ev.is_write_closed() {
                                 lp.flush(slot);
                             }
-                            if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
-                                lp.read(slot);
+                            let end = ev.is_read_closed() || ev.is_error();
+                            if ev.is_readable() || end {
+                                lp.read(slot, end);
                             }
                         });
                     }
@@ -217,7 +222,7 @@ impl Loop {
                 if ready {
                     self.guarded(slot, |lp| {
                         if lp.take_bytes(slot, &[]) {
-                            lp.read(slot);
+                            lp.read(slot, true);
                         }
                     });
                 }
@@ -236,6 +241,7 @@ impl Loop {
         let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut *self)));
         if ok.is_err() {
             tracing::error!("store connection handler panicked; closing it");
+            self.deferred = None;
             // The scratch buffer may have been taken out.
             if self.scratch.len() != SCRATCH {
                 self.scratch = vec![0u8; SCRATCH];
@@ -356,7 +362,7 @@ impl Loop {
             queued: false,
         });
         // Bytes may already be there (edge-triggered: no event for them).
-        self.guarded(slot, |lp| lp.read(slot));
+        self.guarded(slot, |lp| lp.read(slot, true));
     }
 
     /// The slot of the oldest connection (by acceptance) for which `pick`
