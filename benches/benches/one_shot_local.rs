@@ -195,6 +195,13 @@ fn tuner_method(
                 .enumerate()
                 .try_for_each(|(r, e)| e.launch(g.stream(r)).map_err(anyhow::Error::from))
         })?;
+        // Printed as measured too, so a run cut short still shows them.
+        for (mode, t) in [("eager", eager), ("graph", graph)] {
+            println!(
+                "one_shot_local: tuner method: one_shot_local/{mode}/k{k}/{bytes}: {:.3} us",
+                t.as_secs_f64() * 1e6
+            );
+        }
         let mut kept = TUNER.lock();
         kept.push((format!("one_shot_local/eager/k{k}"), bytes, eager));
         kept.push((format!("one_shot_local/graph/k{k}"), bytes, graph));

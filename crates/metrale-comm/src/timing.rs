@@ -1,7 +1,10 @@
 //! The timing method of the path tuner, usable on its own: device events
 //! around one trial's work (a run of eager calls, or one replay of a CUDA
-//! graph holding them), one warm-up trial, then the median over the
-//! trials, divided by the calls a trial makes.
+//! graph holding them), each trial enqueued right behind an unmeasured
+//! lead-in trial (so the device never idles inside the measurement
+//! waiting for the host's launch, as it does not in a steady stream of
+//! calls), one warm-up trial, then the median over the trials, divided by
+//! the calls a trial makes.
 //!
 //! The backend's tuner times each path with it at set-up; the
 //! `one_shot_local` benchmark applies it to simulated ranks beside
@@ -57,9 +60,11 @@ impl Trials {
 }
 
 /// Device time per call: `trial` enqueues one trial's work on `streams`
-/// (the first stream carries the events); it runs once to warm up, then
-/// `trials.trials` times between a start and an end event; the result is
-/// the median trial divided by `trials.calls`. Each trial's events are
+/// (the first stream carries the events); each measured trial follows an
+/// unmeasured lead-in trial with no host wait between them; the first
+/// pair warms up, then `trials.trials` pairs are measured between a start
+/// and an end event; the result is the median trial divided by
+/// `trials.calls`. Each trial's events are
 /// waited for within `timeout`.
 ///
 /// An error from `trial` or from the driver ends the measurement: work
@@ -85,6 +90,11 @@ where
         .collect::<nccl_safe::Result<_>>()?;
     let mut samples = Vec::with_capacity(trials.trials);
     for i in 0..=trials.trials {
+        // A lead-in trial keeps the device busy while the measured one is
+        // enqueued, so the start event runs when the measured work is
+        // already queued behind it: a trial's time is its work's, not the
+        // host's launch latency (which a steady stream of calls hides).
+        trial()?;
         start.record(first)?;
         for s in others {
             s.wait_event(&start)?;
