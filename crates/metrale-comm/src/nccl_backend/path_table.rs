@@ -198,8 +198,8 @@ impl fmt::Display for PathTable {
             )?;
             writeln!(
                 f,
-                "{:>12} {:>10} {:>12} {:>12} {:>12}  {}",
-                "size(B)", "count", "nccl(us)", "one-shot(us)", "fast(us)", "path"
+                "{:>12} {:>10} {:>12} {:>12} {:>12}  path",
+                "size(B)", "count", "nccl(us)", "one-shot(us)", "fast(us)"
             )?;
             for rung in self.rungs(mode) {
                 let mark = |p: AllReducePath| {

@@ -298,7 +298,9 @@ mod tests {
         let path = file_of(&dir, 42);
         let key = LocalKey { text: "k".into() };
         let sum = save(&path, 42, &key, &ladder(), &ladder()[..1]).unwrap();
-        let c = load(&path, 42).ok().expect("hit");
+        let Ok(c) = load(&path, 42) else {
+            panic!("a miss")
+        };
         assert_eq!((c.eager, c.graph), (ladder(), ladder()[..1].to_vec()));
         assert_eq!(c.checksum, sum);
         let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
