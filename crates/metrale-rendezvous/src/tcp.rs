@@ -318,11 +318,11 @@ impl Rendezvous for TcpRendezvous {
     }
 
     fn census(&self, name: &str, timeout: Duration) -> Result<Vec<bool>, RendezvousError> {
-        // A connection of its own: a frozen store must not hold the shared
-        // client's lock past this census.
-        // Its connection is opened within the census' time.
+        // A connection of its own (a frozen store must not hold the shared
+        // client's lock past this census), opened within the census' time,
+        // so that a frozen store ends the census by its deadline.
         let deadline = Instant::now() + timeout;
-        let client = self.client.another();
+        let client = self.client.another_within_deadlines();
         let base = format!("{}census/{name}", self.namespace);
         client.set_by(&format!("{base}/{}", self.rank), BARRIER_PASSED, deadline)?;
         let keys: Vec<String> = (0..self.world_size)

@@ -35,11 +35,11 @@ use crate::error::{CommError, Failure, FailureKind, Suspect};
 const CENSUS_WAIT: Duration = Duration::from_millis(150);
 /// How much longer the poisoning thread waits for the census' answer: a
 /// store that answers, slowly (its process or the machine loaded), must
-/// not read as a silent one, which would name rank 0. A frozen or gone
-/// store ends the census by its own wait (the set's deadline) or at once,
-/// so this is spent only on a slow one; with [`CENSUS_WAIT`] it keeps a
-/// timeout's error within 0.5 s of the timeout.
-const CENSUS_SLACK: Duration = Duration::from_millis(250);
+/// not read as a silent one, which would name rank 0. A frozen store ends
+/// the census by its own wait (its connection and set are bounded by it),
+/// a gone one at once, so this is spent only on a slow one; with
+/// [`CENSUS_WAIT`] it keeps a timeout's error within 0.35 s of the timeout.
+const CENSUS_SLACK: Duration = Duration::from_millis(200);
 
 /// Errors NCCL or the driver return for the call's own arguments, before
 /// anything is enqueued: they do not poison.
