@@ -120,7 +120,8 @@ pub struct StoreClient {
     /// A connection was opened once: the store was up, so a refused or
     /// reset connection now means it is gone (no retry).
     reached: AtomicBool,
-    /// The least time a (re)connection gets, whatever the query's deadline.
+    /// The least time a (re)connection and its handshake get, whatever
+    /// the query's deadline.
     min_connect: Duration,
     conn: Mutex<Option<Live>>,
 }
