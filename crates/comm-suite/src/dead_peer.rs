@@ -74,8 +74,9 @@ pub fn run_case(
     let env = [(CASE_ENV, case.spell())];
     let mut kids = spawn_ranks(sc, world, mode, &dir, opts.emulator, &env)?;
     let out = drive(sc, world, case, opts, &dir, &mut kids);
-    // Nothing stays stopped or running, whatever happened.
-    if !case.kill {
+    // Nothing stays stopped or running, whatever happened. A victim
+    // already reaped is not signalled: its pid may be another process's.
+    if !case.kill && matches!(kids[case.victim].try_wait(), Ok(None)) {
         let _ = signal(&kids[case.victim], libc::SIGCONT);
     }
     kill_all(&mut kids);
