@@ -1,7 +1,7 @@
 //! The orchestration of `rel_dead_peer` (processes mode): for each case
-//! (NCCL's path and the one-shot path; SIGSTOP and SIGKILL; of rank 0,
-//! which serves the store, and of the last rank) it starts the ranks,
-//! signals the victim once every rank is past its warm-up, bounds each
+//! (NCCL's path, the one-shot path and the tuned defaults; SIGSTOP and
+//! SIGKILL; of rank 0, which serves the store, and of the last rank) it
+//! starts the ranks, signals the victim once every rank is past its warm-up, bounds each
 //! survivor's exit (its error bound + 2 s), then continues a SIGSTOPped
 //! victim and bounds its exit (3 s). The bounds on the error and the
 //! shutdown are the ranks' own (`scenarios::dead_peer`); each rank's
@@ -16,7 +16,7 @@ use std::process::Child;
 use std::time::{Duration, Instant};
 
 use crate::orchestrator::{Opts, collect, hang_report, kill_all, spawn_ranks, wait_all};
-use crate::scenarios::dead_peer::{CASE_ENV, Case, KILL_BOUND, STOP_BOUND, now_us};
+use crate::scenarios::dead_peer::{CASE_ENV, Case, CasePath, KILL_BOUND, STOP_BOUND, now_us};
 use crate::{Mode, Outcome, Scenario};
 
 /// How long a survivor may take from its error to its exit.
@@ -27,14 +27,10 @@ const CONTINUED_BOUND: Duration = Duration::from_secs(3);
 /// Every case at `world` ranks.
 pub fn cases(world: usize) -> Vec<Case> {
     let mut v = Vec::new();
-    for one_shot in [false, true] {
+    for path in CasePath::ALL {
         for kill in [false, true] {
             for victim in [world - 1, 0] {
-                v.push(Case {
-                    one_shot,
-                    kill,
-                    victim,
-                });
+                v.push(Case { path, kill, victim });
             }
         }
     }
@@ -78,8 +74,9 @@ pub fn run_case(
     let env = [(CASE_ENV, case.spell())];
     let mut kids = spawn_ranks(sc, world, mode, &dir, opts.emulator, &env)?;
     let out = drive(sc, world, case, opts, &dir, &mut kids);
-    // Nothing stays stopped or running, whatever happened.
-    if !case.kill {
+    // Nothing stays stopped or running, whatever happened. A victim
+    // already reaped is not signalled: its pid may be another process's.
+    if !case.kill && matches!(kids[case.victim].try_wait(), Ok(None)) {
         let _ = signal(&kids[case.victim], libc::SIGCONT);
     }
     kill_all(&mut kids);

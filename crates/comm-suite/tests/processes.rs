@@ -209,20 +209,28 @@ fn processes_mode_on_the_emulator() {
     ));
 }
 
-/// `rel_dead_peer` once per case (NCCL's and the one-shot path, SIGSTOP and
-/// SIGKILL, of rank 0 and of the last rank) at 2 and 4 rank processes; the
-/// stress run (20 each) is in docs/operations.md.
+/// `rel_dead_peer` once per case (NCCL's path, the one-shot path and the
+/// tuned defaults, SIGSTOP and SIGKILL, of rank 0 and of the last rank) and
+/// its healthy counterpart `int_shutdown_healthy` at 2 and 4 rank
+/// processes; the stress run (20 each) is in docs/operations.md.
 #[test]
 fn dead_peer_on_the_emulator() {
     for gpus in [2, 4] {
         let t = Instant::now();
-        let out = orchestrate_with("processes", gpus, &["rel_dead_peer"], 1);
+        let out = orchestrate_with(
+            "processes",
+            gpus,
+            &["rel_dead_peer", "int_shutdown_healthy"],
+            1,
+        );
         assert!(
-            out.contains("rel_dead_peer") && out.contains("comm-suite: 0 failure(s)"),
+            out.contains("rel_dead_peer")
+                && out.contains("int_shutdown_healthy")
+                && out.contains("comm-suite: 0 failure(s)"),
             "{out}"
         );
         show(&format!(
-            "\n{out}\n(rel_dead_peer at {gpus} ranks: {:.0}s)\n",
+            "\n{out}\n(rel_dead_peer and int_shutdown_healthy at {gpus} ranks: {:.0}s)\n",
             t.elapsed().as_secs_f64()
         ));
     }

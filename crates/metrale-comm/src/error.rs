@@ -95,7 +95,8 @@ pub enum CommError {
         generation: u64,
     },
     /// `shutdown` released everything else but leaked these (memory a
-    /// peer may still map, or work that could not be proven finished): the
+    /// peer may still map, or work that could not be proven finished,
+    /// also what a reconnect left of an earlier generation): the
     /// process should not build another backend on the same device
     /// without accounting for them; a supervisor restarts the process.
     #[error("{op}: leaked {}", leak_list(.leaks))]

@@ -318,24 +318,32 @@ impl Rendezvous for TcpRendezvous {
     }
 
     fn census(&self, name: &str, timeout: Duration) -> Result<Vec<bool>, RendezvousError> {
-        // A connection of its own: a frozen store must not hold the shared
-        // client's lock past this census.
-        let client = self.client.another();
+        // A connection of its own (a frozen store must not hold the shared
+        // client's lock past this census), opened within the census' time,
+        // so that a frozen store ends the census by its deadline.
         let deadline = Instant::now() + timeout;
+        let client = self.client.another_within_deadlines();
         let base = format!("{}census/{name}", self.namespace);
         client.set_by(&format!("{base}/{}", self.rank), BARRIER_PASSED, deadline)?;
         let keys: Vec<String> = (0..self.world_size)
             .map(|r| format!("{base}/{r}"))
             .collect();
+        let mut arrived = vec![false; self.world_size];
+        arrived[self.rank] = true;
         loop {
-            let arrived = keys
-                .iter()
-                .map(|k| client.check(&[k.as_str()]))
-                .collect::<Result<Vec<bool>, _>>()?;
-            if arrived.iter().all(|a| *a) || Instant::now() >= deadline {
+            // A key once set stays: only the ranks not yet seen are asked
+            // again, so a poll costs one round trip per missing rank, and
+            // the last one ends soon after the deadline on a slow store.
+            for (r, k) in keys.iter().enumerate() {
+                if !arrived[r] {
+                    arrived[r] = client.check(&[k.as_str()])?;
+                }
+            }
+            let now = Instant::now();
+            if arrived.iter().all(|a| *a) || now >= deadline {
                 return Ok(arrived);
             }
-            std::thread::sleep(Duration::from_millis(10));
+            std::thread::sleep(Duration::from_millis(10).min(deadline - now));
         }
     }
 

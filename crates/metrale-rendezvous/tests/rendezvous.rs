@@ -181,6 +181,44 @@ fn tcp_rendezvous_reports_make_errors_and_barrier_timeouts() -> Result<()> {
 }
 
 /// The variables of plain `env://` for `rank` of `world` on `port`.
+/// A census of four ranks where rank 2 never reports: every rank that
+/// does sees exactly the others that did, and one census where all four
+/// report sees all four.
+#[test]
+fn tcp_census_names_the_rank_that_did_not_report() -> Result<()> {
+    let ranks = tcp_four_ranks()?;
+    let wait = Duration::from_millis(300);
+    let seen: Vec<Result<Vec<bool>, RendezvousError>> = std::thread::scope(|s| {
+        let joins: Vec<_> = ranks
+            .iter()
+            .enumerate()
+            .filter(|&(r, _)| r != 2)
+            .map(|(_, rv)| s.spawn(move || rv.census("lonely", wait)))
+            .collect();
+        joins
+            .into_iter()
+            .map(|j| j.join().expect("a census thread"))
+            .collect()
+    });
+    for got in seen {
+        assert_eq!(got?, vec![true, true, false, true]);
+    }
+    let all: Vec<Result<Vec<bool>, RendezvousError>> = std::thread::scope(|s| {
+        let joins: Vec<_> = ranks
+            .iter()
+            .map(|rv| s.spawn(move || rv.census("everyone", T)))
+            .collect();
+        joins
+            .into_iter()
+            .map(|j| j.join().expect("a census thread"))
+            .collect()
+    });
+    for got in all {
+        assert_eq!(got?, vec![true; 4]);
+    }
+    Ok(())
+}
+
 fn env_vars(rank: usize, world: usize, port: u16) -> Vec<(&'static str, String)> {
     vec![
         ("RANK", rank.to_string()),

@@ -1,6 +1,7 @@
 //! A dead or frozen peer (`rel_dead_peer`, orchestrated by
 //! `crate::dead_peer`): ranks run checked all-reduces in a loop on NCCL's
-//! path or the one-shot path; the orchestrator SIGSTOPs or SIGKILLs one
+//! path, the one-shot path, or the path the tuned defaults (`Auto`) take
+//! for the size; the orchestrator SIGSTOPs or SIGKILLs one
 //! rank (0, which serves the store, or the last). Each survivor must fail
 //! within the collective timeout + 0.5 s of a SIGSTOP or 100 ms of a
 //! SIGKILL, with an error naming the failed rank, and shut down within
@@ -16,7 +17,7 @@
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context as _, bail, ensure};
-use metrale_comm::{CommBackend, CommError, OneShotPolicy};
+use metrale_comm::{CommBackend, CommError, FastPathPolicy, OneShotPolicy, TuneCache};
 use nccl_safe::DeviceBuffer;
 
 use metrale_comm::rendezvous::TcpRendezvous;
@@ -39,11 +40,36 @@ pub const READY_AT: u64 = 20;
 /// Elements per all-reduce.
 const N: usize = 4096;
 
+/// The all-reduce path of a case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CasePath {
+    /// NCCL's all-reduce (`OneShotPolicy::Never`, `FastPathPolicy::Never`).
+    Nccl,
+    /// The one-shot path at every size (`OneShotPolicy::Always`).
+    OneShot,
+    /// The defaults, `Auto` policies tuned at set-up (uncached): the
+    /// tuner may take NCCL's path or the one-shot path for the size.
+    Auto,
+}
+
+impl CasePath {
+    /// Every path, in the order the cases run.
+    pub const ALL: [CasePath; 3] = [CasePath::Nccl, CasePath::OneShot, CasePath::Auto];
+
+    fn spell(self) -> &'static str {
+        match self {
+            CasePath::Nccl => "nccl",
+            CasePath::OneShot => "oneshot",
+            CasePath::Auto => "auto",
+        }
+    }
+}
+
 /// One case of the scenario.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Case {
-    /// The one-shot path (`Always`) rather than NCCL's.
-    pub one_shot: bool,
+    /// The all-reduce path.
+    pub path: CasePath,
     /// SIGKILL rather than SIGSTOP.
     pub kill: bool,
     /// The rank signalled.
@@ -55,7 +81,7 @@ impl Case {
     pub fn spell(&self) -> String {
         format!(
             "{},{},{}",
-            if self.one_shot { "oneshot" } else { "nccl" },
+            self.path.spell(),
             if self.kill { "kill" } else { "stop" },
             self.victim
         )
@@ -66,10 +92,9 @@ impl Case {
         let p: Vec<&str> = s.split(',').collect();
         ensure!(p.len() == 3, "{CASE_ENV}={s}: want PATH,SIGNAL,VICTIM");
         Ok(Case {
-            one_shot: match p[0] {
-                "oneshot" => true,
-                "nccl" => false,
-                o => bail!("{CASE_ENV}: unknown path {o}"),
+            path: match CasePath::ALL.into_iter().find(|q| q.spell() == p[0]) {
+                Some(q) => q,
+                None => bail!("{CASE_ENV}: unknown path {}", p[0]),
             },
             kill: match p[1] {
                 "kill" => true,
@@ -111,15 +136,17 @@ pub fn dead_peer(ctx: &RankCtx) -> anyhow::Result<()> {
     let case = Case::parse(&std::env::var(CASE_ENV).with_context(|| {
         format!("{CASE_ENV} is not set (the orchestrator runs this scenario)")
     })?)?;
+    let (one_shot, fast) = match case.path {
+        CasePath::Nccl => (OneShotPolicy::Never, FastPathPolicy::Never),
+        CasePath::OneShot => (OneShotPolicy::Always, FastPathPolicy::Never),
+        CasePath::Auto => (OneShotPolicy::Auto, FastPathPolicy::Auto),
+    };
     let cfg = ctx
         .config()
         .with_collective_timeout(TIMEOUT)
-        .with_fast_path(metrale_comm::FastPathPolicy::Never)
-        .with_one_shot(if case.one_shot {
-            OneShotPolicy::Always
-        } else {
-            OneShotPolicy::Never
-        });
+        .with_fast_path(fast)
+        .with_one_shot(one_shot)
+        .with_tune_cache(TuneCache::Off);
     // As a user would: rank 0 serves the store at MASTER_ADDR:MASTER_PORT.
     let addr: std::net::SocketAddr = format!(
         "{}:{}",
@@ -139,6 +166,7 @@ pub fn dead_peer(ctx: &RankCtx) -> anyhow::Result<()> {
     let b = metrale_comm::NcclBackend::new(cfg, Box::new(rdzv))?;
     let mut buf = DeviceBuffer::<f32>::alloc(b.context(), N)?;
     let w = ctx.world_size;
+    let took_path = b.all_reduce_path_of(nccl_safe::DataType::Float32, N * 4);
     let start = Instant::now();
     let mut i = 0u64;
     let err = loop {
@@ -186,7 +214,7 @@ pub fn dead_peer(ctx: &RankCtx) -> anyhow::Result<()> {
         Err(e) => format!("error: {e}"),
     };
     let line = format!(
-        "rank {} ({}): error {:.1} ms after the signal, shutdown {:.1} ms, leaked {leaked}",
+        "rank {} ({}, {took_path:?}): error {:.1} ms after the signal, shutdown {:.1} ms, leaked {leaked}",
         ctx.rank,
         if ctx.rank == case.victim {
             "continued"

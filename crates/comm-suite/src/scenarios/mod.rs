@@ -20,6 +20,7 @@ pub mod reliability;
 pub mod safe;
 pub mod scale;
 pub mod settings;
+pub mod shutdown;
 pub mod tune;
 pub mod turns;
 pub mod two_worlds;
@@ -425,6 +426,15 @@ pub fn all() -> Vec<Scenario> {
             &[2],
             Nothing,
             integrity::shutdown_idle_worker,
+        ),
+        s(
+            "int_shutdown_healthy",
+            "a healthy shutdown on NCCL's, the one-shot and the tuned paths, also after a reconnect: Ok, nothing leaked, figures",
+            2,
+            Some(8),
+            &[2, 4],
+            Nothing,
+            shutdown::healthy,
         ),
         s(
             "backend_settings_differ",

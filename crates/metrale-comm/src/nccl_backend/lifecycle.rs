@@ -27,7 +27,8 @@
 //!   never freed under a kernel. A poisoned backend's shutdown waits for
 //!   no peer (it skips the one-shot release barrier) and is bounded by
 //!   [`FAILED_SHUTDOWN`], not the shutdown timeout; `Ok` means everything
-//!   was released, [`CommError::Leaked`] names what was not and why.
+//!   was released, [`CommError::Leaked`] names what was not and why,
+//!   including what a reconnect's release of an earlier generation leaked.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -467,7 +468,8 @@ impl NcclBackend {
         }
         let result = match drained {
             Ok(()) => {
-                let leaks = inner.one_shot_release(&mut slot, deadline);
+                let mut leaks = std::mem::take(&mut slot.leaked);
+                leaks.extend(inner.one_shot_release(&mut slot, deadline));
                 if !aborted && let Some(comm) = slot.comm.take() {
                     for handle in std::mem::take(&mut slot.registered).into_keys() {
                         // SAFETY: each handle came from `register_raw` on this
@@ -510,7 +512,7 @@ impl NcclBackend {
                     scratch,
                     "shutdown: {why}; leaking the backend's device memory"
                 );
-                let mut leaks = Vec::new();
+                let mut leaks = std::mem::take(&mut slot.leaked);
                 if !symmetric.is_empty() {
                     let bytes = symmetric.values().map(|b| b.bytes()).sum();
                     leaks.push(Leak::new(LeakKind::SymmetricMemory, bytes, why.clone()));

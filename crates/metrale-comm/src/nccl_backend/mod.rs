@@ -133,6 +133,9 @@ struct Slot {
     hosts: Option<hosts::Hosts>,
     /// The tuned path table of this communicator, where the tuner ran.
     tuned: Option<path_table::PathTable>,
+    /// What a reconnect's release of an earlier generation's one-shot
+    /// buffers leaked; `shutdown` reports it with its own.
+    leaked: Vec<crate::error::Leak>,
 }
 
 // SAFETY: the raw streams the one-shot state keeps are only compared and
@@ -400,6 +403,7 @@ impl Slot {
             one_shot: one_shot::OneShot::new(ctx).map_err(setup("one-shot state"))?,
             hosts: None,
             tuned: None,
+            leaked: Vec::new(),
         })
     }
 

@@ -229,7 +229,8 @@ impl Inner {
     /// does not complete by the init deadline fails the set-up.
     pub(super) fn one_shot_setup(&self, slot: &mut Slot) -> Result<()> {
         let deadline = Instant::now() + self.config.init_timeout;
-        self.one_shot_release(slot, deadline);
+        let earlier = self.one_shot_release(slot, deadline);
+        slot.leaked.extend(earlier);
         slot.one_shot.begin_setup();
         let policy = self.config.one_shot;
         let off = if policy == OneShotPolicy::Never {
@@ -274,7 +275,8 @@ impl Inner {
             slot.one_shot
                 .set_exchanged(self.generation.load(Ordering::Acquire));
         } else {
-            self.one_shot_release(slot, deadline);
+            let now = self.one_shot_release(slot, deadline);
+            slot.leaked.extend(now);
         }
         let mut verdict = match verdicts(&records) {
             Ok(()) => self.one_shot_map(slot, &records),

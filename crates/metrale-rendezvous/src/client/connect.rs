@@ -144,7 +144,7 @@ impl StoreClient {
             .set_write_timeout(Some(self.io_timeout))
             .map_err(transport)?;
         let shake = deadline
-            .max(now + Duration::from_secs(1))
+            .max(now + self.min_connect)
             .min(now + self.io_timeout);
         let mut q = Query::new(query::VALIDATE)
             .u32(proto::VALIDATION_MAGIC)

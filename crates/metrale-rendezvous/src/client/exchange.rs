@@ -18,9 +18,7 @@ use std::time::{Duration, Instant};
 use super::super::RendezvousError;
 use super::super::proto::{self, Query, query};
 use super::connect::sleep_backoff;
-use super::{
-    Fail, Live, MAX_REPLY_VALUE, MIN_CONNECT, STALE_AFTER, StoreClient, TIMED_OUT, transport, wire,
-};
+use super::{Fail, Live, MAX_REPLY_VALUE, STALE_AFTER, StoreClient, TIMED_OUT, transport, wire};
 
 impl StoreClient {
     /// Reads a reply's status byte (on a connection that speaks the
@@ -63,7 +61,7 @@ impl StoreClient {
                 .is_none_or(|live| live.used.elapsed() >= STALE_AFTER)
             {
                 *guard = None;
-                *guard = Some(self.open(deadline.max(proto::after(MIN_CONNECT)))?);
+                *guard = Some(self.open(deadline.max(proto::after(self.min_connect)))?);
             }
             let Some(live) = guard.as_mut() else {
                 return Err(RendezvousError::Closed);

@@ -120,6 +120,9 @@ pub struct StoreClient {
     /// A connection was opened once: the store was up, so a refused or
     /// reset connection now means it is gone (no retry).
     reached: AtomicBool,
+    /// The least time a (re)connection and its handshake get, whatever
+    /// the query's deadline.
+    min_connect: Duration,
     conn: Mutex<Option<Live>>,
 }
 
@@ -170,6 +173,7 @@ impl StoreClient {
             nonce: nonce(),
             ext: AtomicU8::new(ext),
             reached: AtomicBool::new(false),
+            min_connect: MIN_CONNECT,
             conn: Mutex::new(None),
         };
         let live = client.open(proto::after(timeout))?;
@@ -188,7 +192,18 @@ impl StoreClient {
             nonce: nonce(),
             ext: AtomicU8::new(self.ext.load(Ordering::Acquire)),
             reached: AtomicBool::new(self.reached.load(Ordering::Acquire)),
+            min_connect: self.min_connect,
             conn: Mutex::new(None),
+        }
+    }
+
+    /// [`StoreClient::another`] whose connection, too, is bounded by each
+    /// query's deadline (not given at least [`MIN_CONNECT`]): for a short
+    /// query that must end by its deadline on a frozen store (a census).
+    pub(crate) fn another_within_deadlines(&self) -> StoreClient {
+        StoreClient {
+            min_connect: Duration::ZERO,
+            ..self.another()
         }
     }
 
