@@ -19,7 +19,8 @@
 //! wins and both read the same leader; each pushes a message to the
 //! other's queue and pops the one meant for it. The Rust side prints one
 //! line per result (`greeting ...`, `leader ...`, `queue ...`) and `ok`
-//! at the end; every wait is bounded by `--timeout` (default 30 s).
+//! at the end; every wait is bounded by `--timeout` (default 30 s). Its
+//! keys carry the `/` that PyTorch's client puts before every key ([`key`]).
 //!
 //! Build: `cargo build --release -p metrale-rendezvous --example
 //! torch_interop`. Run both directions against torch:
@@ -32,6 +33,13 @@ use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
 use metrale_rendezvous::{StoreClient, StoreServer};
+
+/// The name PyTorch's `TCPStore` gives `name` on the wire: its client
+/// writes every key, and every queue, under a `/` prefix (`keyPrefix_` in
+/// c10d's TCPStore), so a Rust process sharing its keys names them so.
+fn key(name: &str) -> String {
+    format!("/{name}")
+}
 
 const USAGE: &str = "usage: torch_interop serve [--bind ADDR] [--port P] [--timeout SECS]
        torch_interop connect HOST:PORT [--timeout SECS]";
@@ -102,7 +110,7 @@ fn serve(bind: &str, port: u16, timeout: Duration) -> anyhow::Result<()> {
     exchange(&store, timeout)?;
     // Serve until the torch side is through with the store.
     store
-        .wait(&["torch/bye"], timeout)
+        .wait(&[&key("torch/bye")], timeout)
         .context("waiting for torch/bye")?;
     drop(store);
     server.shutdown();
@@ -119,30 +127,30 @@ fn connect(addr: &str, timeout: Duration) -> anyhow::Result<()> {
     let store = StoreClient::connect(addr, None, timeout)
         .with_context(|| format!("connecting to torch's store at {addr}"))?;
     exchange(&store, timeout)?;
-    store.set("rust/bye", b"1")?;
+    store.set(&key("rust/bye"), b"1")?;
     Ok(())
 }
 
 /// The Rust half of the exchange, printing what it read.
 fn exchange(store: &StoreClient, timeout: Duration) -> anyhow::Result<()> {
-    store.set("rust/greeting", b"hello from rust")?;
+    store.set(&key("rust/greeting"), b"hello from rust")?;
     let theirs = store
-        .get("torch/greeting", timeout)
+        .get(&key("torch/greeting"), timeout)
         .context("waiting for torch's greeting")?;
     println!("greeting {}", String::from_utf8_lossy(&theirs));
 
     // A barrier of two: the last to arrive opens it.
-    if store.add("arrived", 1)? == 2 {
-        store.set("all_arrived", b"1")?;
+    if store.add(&key("arrived"), 1)? == 2 {
+        store.set(&key("all_arrived"), b"1")?;
     }
     store
-        .wait(&["all_arrived"], timeout)
+        .wait(&[&key("all_arrived")], timeout)
         .context("the barrier")?;
     println!("barrier passed");
 
     // Exactly one side's compare_set finds the key absent and wins.
-    store.compare_set("leader", b"", b"rust")?;
-    let leader = store.get("leader", timeout)?;
+    store.compare_set(&key("leader"), b"", b"rust")?;
+    let leader = store.get(&key("leader"), timeout)?;
     ensure!(
         leader == b"rust" || leader == b"torch",
         "leader is {:?}",
@@ -150,9 +158,9 @@ fn exchange(store: &StoreClient, timeout: Duration) -> anyhow::Result<()> {
     );
     println!("leader {}", String::from_utf8_lossy(&leader));
 
-    store.queue_push("to_torch", b"job from rust")?;
+    store.queue_push(&key("to_torch"), b"job from rust")?;
     let got = store
-        .queue_pop("to_rust", Some(timeout))
+        .queue_pop(&key("to_rust"), Some(timeout))
         .context("popping to_rust")?
         .context("to_rust was empty after its wait")?;
     println!("queue {}", String::from_utf8_lossy(&got));
