@@ -263,16 +263,31 @@ impl Inner {
                     continue;
                 }
                 let mut buf = DeviceBuffer::<bf16>::alloc(&self.ctx, bytes / 2)?;
-                for path in check {
-                    rung.checked[path_index(path)] =
-                        self.tune_check(slot, path, &mut buf, deadline)?;
-                }
-                if time {
-                    for path in std::iter::once(AllReducePath::Nccl).chain(candidates) {
-                        let t = self.tune_time(slot, path, mode, &buf, deadline)?;
-                        // Whole nanoseconds: what the cache keeps exactly.
-                        rung.ns[path_index(path)] = Some((t.as_secs_f64() * 1e9).round());
+                let mut measure = || -> nccl_safe::Result<()> {
+                    for &path in &check {
+                        rung.checked[path_index(path)] =
+                            self.tune_check(slot, path, &mut buf, deadline)?;
                     }
+                    if time {
+                        for &path in std::iter::once(&AllReducePath::Nccl).chain(&candidates) {
+                            let t = self.tune_time(slot, path, mode, &buf, deadline)?;
+                            // Whole nanoseconds: what the cache keeps exactly.
+                            rung.ns[path_index(path)] = Some((t.as_secs_f64() * 1e9).round());
+                        }
+                    }
+                    Ok(())
+                };
+                if let Err(e) = measure() {
+                    // Work on the buffer may still wait for a peer: a free
+                    // would wait for the whole device, past the deadline,
+                    // before the caller's abort could end it.
+                    tracing::warn!(
+                        rank = self.rank,
+                        bytes,
+                        "path tuner failed ({e}): its buffer is leaked, not freed under it"
+                    );
+                    std::mem::forget(buf);
+                    return Err(e);
                 }
                 out[mode.index()].push(rung);
             }
