@@ -219,9 +219,11 @@ fn tuner_vs_criterion(entries: &[metrale_benches::tables::Entry]) -> String {
         "| group | bytes | criterion (us) | tuner method (us) | difference |\n|---|---:|---:|---:|---:|\n",
     );
     for (group, bytes, t) in TUNER.lock().iter() {
+        // `BenchmarkId::from_parameter(bytes)`: criterion files the size
+        // as the function's name, with the throughput beside it.
         let Some(e) = entries
             .iter()
-            .find(|e| &e.group == group && e.param.as_deref() == Some(&bytes.to_string()))
+            .find(|e| &e.group == group && e.bytes == Some(*bytes))
         else {
             continue;
         };

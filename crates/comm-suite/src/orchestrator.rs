@@ -425,7 +425,10 @@ pub(crate) fn wait_all(kids: &mut [Child], deadline: Instant) -> Option<Vec<i32>
             if codes[i].is_none()
                 && let Ok(Some(st)) = k.try_wait()
             {
-                codes[i] = Some(st.code().unwrap_or(-1));
+                // A child a signal ended reads as minus the signal's number.
+                codes[i] = Some(st.code().unwrap_or_else(|| {
+                    -std::os::unix::process::ExitStatusExt::signal(&st).unwrap_or(1)
+                }));
             }
         }
         if codes.iter().all(Option::is_some) {

@@ -1,20 +1,28 @@
-//! The timing method of the path tuner, usable on its own: device events
-//! around one trial's work (a run of eager calls, or one replay of a CUDA
-//! graph holding them), each trial enqueued right behind an unmeasured
-//! lead-in trial (so the device never idles inside the measurement
-//! waiting for the host's launch, as it does not in a steady stream of
-//! calls), one warm-up trial, then the median over the trials, divided by
-//! the calls a trial makes.
+//! The timing method of the path tuner, usable on its own: a steady
+//! stream of trials (each a run of eager calls, or one replay of a CUDA
+//! graph holding them) enqueued back to back behind one warm-up trial,
+//! with a device event recorded between each trial and the next; the
+//! median interval between consecutive events, divided by the calls a
+//! trial makes, is the time per call. The host waits once, at the end.
+//!
+//! This reads what a throughput benchmark (criterion's `iter_custom`
+//! around a loop of calls) reads: where the host's launches are the
+//! bottleneck (eager calls of small payloads) an interval is the host's
+//! time to enqueue a trial, where the device is, it is the device's time
+//! to run one; the only work added to a trial is one event record.
+//! Waiting for the device between trials, or fencing each trial with
+//! cross-stream events, would add their cost to every trial.
 //!
 //! The backend's tuner times each path with it at set-up; the
 //! `one_shot_local` benchmark applies it to simulated ranks beside
 //! criterion's own figures, to show the two agree.
 //!
-//! Invariants: every host wait is bounded by the given timeout; the events
-//! belong to the first stream's context; work on the other streams is
-//! ordered after the start event and before the end event (each waits for
-//! the start, and the first stream waits for each one's end), so a trial
-//! spans every stream's work.
+//! Invariants: the one host wait is bounded by the given timeout; the
+//! events belong to the first stream's context and are recorded on the
+//! first stream (with several streams, whose work advances together, as
+//! the simulated ranks' kernels wait for each other, the first stream's
+//! intervals are the calls' rate); before the host waits, every other
+//! stream's work is joined to the first stream, so the wait covers it.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,40 +40,37 @@ pub struct Trials {
 }
 
 impl Trials {
-    /// The tuner's trials for a payload of `bytes`: five trials of 8 calls
-    /// up to 64 KiB, five of 4 up to 1 MiB, then three of 2 up to 8 MiB
-    /// and three of 1 above (a trial always well above the events'
-    /// resolution of about 0.5 us; large calls vary little between
-    /// trials).
+    /// The tuner's trials for a payload of `bytes`: five trials of 16
+    /// calls up to 1 MiB, then three of 4 up to 8 MiB and three of 2
+    /// above. A trial stays well above the events' resolution (about 0.5
+    /// us) and long enough that what it adds to its calls (one event
+    /// record; in graphs, one graph launch, which criterion's graphs of 20
+    /// calls spread as thinly) is a small part of it; large calls vary
+    /// little between trials.
     pub fn for_bytes(bytes: usize) -> Trials {
         match bytes {
-            0..=65_536 => Trials {
+            0..=1_048_576 => Trials {
                 trials: 5,
-                calls: 8,
-            },
-            65_537..=1_048_576 => Trials {
-                trials: 5,
-                calls: 4,
+                calls: 16,
             },
             1_048_577..=8_388_608 => Trials {
                 trials: 3,
-                calls: 2,
+                calls: 4,
             },
             _ => Trials {
                 trials: 3,
-                calls: 1,
+                calls: 2,
             },
         }
     }
 }
 
 /// Device time per call: `trial` enqueues one trial's work on `streams`
-/// (the first stream carries the events); each measured trial follows an
-/// unmeasured lead-in trial with no host wait between them; the first
-/// pair warms up, then `trials.trials` pairs are measured between a start
-/// and an end event; the result is the median trial divided by
-/// `trials.calls`. Each trial's events are
-/// waited for within `timeout`.
+/// (the first stream carries the events). One warm-up trial, then
+/// `trials.trials` trials back to back, an event recorded on the first
+/// stream before each and after the last; the result is the median
+/// interval between consecutive events divided by `trials.calls`. The
+/// host waits once, for all of it, within `timeout`.
 ///
 /// An error from `trial` or from the driver ends the measurement: work
 /// already enqueued is the caller's to wait for.
@@ -82,33 +87,33 @@ where
     let Some((&first, others)) = streams.split_first() else {
         return Err(nccl_safe::Error::invalid("time_per_call", "no stream").into());
     };
-    let start = Event::new(ctx, true)?;
-    let end = Event::new(ctx, true)?;
+    let marks: Vec<Event> = (0..=trials.trials)
+        .map(|_| Event::new(ctx, true))
+        .collect::<nccl_safe::Result<_>>()?;
     let joins: Vec<Event> = others
         .iter()
         .map(|_| Event::new(ctx, false))
         .collect::<nccl_safe::Result<_>>()?;
+    let done = Event::new(ctx, false)?;
+    // The warm-up trial keeps the device busy while the first mark is
+    // enqueued behind it, so no interval starts on an idle device waiting
+    // for the host.
+    trial()?;
+    for (i, mark) in marks.iter().enumerate() {
+        mark.record(first)?;
+        if i < trials.trials {
+            trial()?;
+        }
+    }
+    for (s, j) in others.iter().zip(&joins) {
+        j.record(s)?;
+        first.wait_event(j)?;
+    }
+    done.record(first)?;
+    done.wait_with_deadline(timeout)?;
     let mut samples = Vec::with_capacity(trials.trials);
-    for i in 0..=trials.trials {
-        // A lead-in trial keeps the device busy while the measured one is
-        // enqueued, so the start event runs when the measured work is
-        // already queued behind it: a trial's time is its work's, not the
-        // host's launch latency (which a steady stream of calls hides).
-        trial()?;
-        start.record(first)?;
-        for s in others {
-            s.wait_event(&start)?;
-        }
-        trial()?;
-        for (s, j) in others.iter().zip(&joins) {
-            j.record(s)?;
-            first.wait_event(j)?;
-        }
-        end.record(first)?;
-        end.wait_with_deadline(timeout)?;
-        if i > 0 {
-            samples.push(f64::from(end.elapsed_ms(&start)?));
-        }
+    for pair in marks.windows(2) {
+        samples.push(f64::from(pair[1].elapsed_ms(&pair[0])?));
     }
     Ok(median_per_call(&mut samples, trials.calls))
 }
@@ -144,9 +149,9 @@ mod tests {
 
     #[test]
     fn trials_shrink_with_size() {
-        assert_eq!(Trials::for_bytes(8).calls, 8);
-        assert_eq!(Trials::for_bytes(1 << 20).calls, 4);
-        assert_eq!(Trials::for_bytes(8 << 20).calls, 2);
-        assert_eq!(Trials::for_bytes(32 << 20).calls, 1);
+        assert_eq!(Trials::for_bytes(8).calls, 16);
+        assert_eq!(Trials::for_bytes(1 << 20).calls, 16);
+        assert_eq!(Trials::for_bytes(8 << 20).calls, 4);
+        assert_eq!(Trials::for_bytes(32 << 20).calls, 2);
     }
 }

@@ -51,9 +51,6 @@ use crate::health::Health;
 /// for no peer, so what is left is draining its own aborted work.
 const FAILED_SHUTDOWN: Duration = Duration::from_millis(800);
 
-/// Bytes of one rank's census record: its host id and settings word.
-const CENSUS_BYTES: usize = 16;
-
 impl Inner {
     /// Agrees on a unique id for `generation` and initialises the
     /// communicator into `slot`, bounded by the init timeout.
@@ -162,19 +159,12 @@ impl Inner {
             return Ok(());
         }
         let deadline = Instant::now() + self.config.init_timeout;
-        let mut mine = vec![0u8; CENSUS_BYTES * self.world_size];
-        let own = &mut mine[CENSUS_BYTES * self.rank..][..CENSUS_BYTES];
-        own[..8].copy_from_slice(&host_id().to_le_bytes());
-        own[8..].copy_from_slice(&settings_word(&self.settings(slot)).to_le_bytes());
-        let all = self.exchange_bytes(slot, &mine, deadline).map_err(|e| {
+        let own = [host_id(), settings_word(&self.settings(slot))];
+        let all = self.gather_words(slot, &own, deadline).map_err(|e| {
             self.abort_now("host census");
             CommError::setup("host census", e)
         })?;
-        let word = |c: &[u8]| u64::from_le_bytes(c.try_into().expect("8 bytes"));
-        let (ids, settings): (Vec<u64>, Vec<u64>) = all
-            .chunks_exact(CENSUS_BYTES)
-            .map(|c| (word(&c[..8]), word(&c[8..])))
-            .unzip();
+        let (ids, settings): (Vec<u64>, Vec<u64>) = all.iter().map(|w| (w[0], w[1])).unzip();
         let hosts = Hosts::new(ids, &settings);
         if let Some(why) = hosts.peer_paths_off() {
             tracing::info!(
@@ -185,6 +175,31 @@ impl Inner {
         }
         slot.hosts = Some(hosts);
         Ok(())
+    }
+
+    /// Every rank's `words` (the same count on every rank), by rank: each
+    /// rank's words in its own part of one [`Self::exchange_bytes`],
+    /// little-endian.
+    pub(super) fn gather_words(
+        &self,
+        slot: &mut Slot,
+        words: &[u64],
+        deadline: Instant,
+    ) -> nccl_safe::Result<Vec<Vec<u64>>> {
+        let n = words.len() * 8;
+        let mut mine = vec![0u8; n * self.world_size];
+        for (i, w) in words.iter().enumerate() {
+            mine[self.rank * n + i * 8..][..8].copy_from_slice(&w.to_le_bytes());
+        }
+        let all = self.exchange_bytes(slot, &mine, deadline)?;
+        Ok(all
+            .chunks_exact(n)
+            .map(|c| {
+                c.chunks_exact(8)
+                    .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+                    .collect()
+            })
+            .collect())
     }
 
     /// Every rank's `mine` (zero outside the rank's own part) summed

@@ -207,29 +207,6 @@ impl Inner {
         })
     }
 
-    /// Every rank's `words` (the same count on every rank), by rank.
-    fn gather_words(
-        &self,
-        slot: &mut Slot,
-        words: &[u64],
-        deadline: Instant,
-    ) -> nccl_safe::Result<Vec<Vec<u64>>> {
-        let n = words.len() * 8;
-        let mut mine = vec![0u8; n * self.world_size];
-        for (i, w) in words.iter().enumerate() {
-            mine[self.rank * n + i * 8..][..8].copy_from_slice(&w.to_le_bytes());
-        }
-        let all = self.exchange_bytes(slot, &mine, deadline)?;
-        Ok(all
-            .chunks_exact(n)
-            .map(|c| {
-                c.chunks_exact(8)
-                    .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
-                    .collect()
-            })
-            .collect())
-    }
-
     /// This rank's checks and, unless `recheck` names what to check (a
     /// cache hit: no timing), its times: per mode, per rung, per path.
     /// Without `recheck` every candidate is checked at every eager rung; a
