@@ -32,13 +32,18 @@ const IN_A_CHILD: &[&str] = &[
     "fuzz_schedules",
 ];
 
+/// The deadline of the path tuner's scenario: each of its set-ups times
+/// the whole ladder, which on the emulator is memory copies on the CPU
+/// (worlds 2-4 took 78-111 s and more than 120 s in CI's lanes on 2 cores).
+const TUNE_DEADLINE: Duration = Duration::from_secs(300);
+
 /// The deadline of `name`'s run: the fuzzer's grows with its time budget
-/// (`METRALE_FUZZ_SECS`).
+/// (`METRALE_FUZZ_SECS`); the tuner's is [`TUNE_DEADLINE`].
 fn deadline(name: &str) -> Duration {
-    if name == "fuzz_schedules" {
-        DEADLINE.max(fuzz::run_limit())
-    } else {
-        DEADLINE
+    match name {
+        "fuzz_schedules" => DEADLINE.max(fuzz::run_limit()),
+        "tune_choice" => TUNE_DEADLINE,
+        _ => DEADLINE,
     }
 }
 
