@@ -130,30 +130,22 @@ fn call(
     .expect("launch");
 }
 
-/// The PTX the file named by `var` holds, else the committed `committed`.
-fn ptx(var: &str, committed: &str) -> String {
-    match std::env::var_os(var) {
-        Some(path) => {
-            println!(
-                "norm_local: {var}: the kernels from {}",
-                path.to_string_lossy()
-            );
-            std::fs::read_to_string(&path).expect("the variable names a PTX file")
-        }
-        None => committed.to_owned(),
-    }
-}
-
 fn norm_local(c: &mut Criterion) {
     if let Err(e) = nccl_safe::device_count() {
         println!("norm_local: no CUDA driver ({e}); nothing to measure");
         return;
     }
     let ctx = Context::new(0).expect("device 0");
-    let m1 = Module::load_ptx(&ctx, &ptx("METRALE_ONE_SHOT_PTX", kernels::ONE_SHOT_PTX))
-        .expect("the one-shot PTX");
-    let m2 = Module::load_ptx(&ctx, &ptx("METRALE_NORM_PTX", norm::ADD_RMS_NORM_PTX))
-        .expect("the norm PTX");
+    let m1 = Module::load_ptx(
+        &ctx,
+        &metrale_benches::ptx_or("norm_local", "METRALE_ONE_SHOT_PTX", kernels::ONE_SHOT_PTX),
+    )
+    .expect("the one-shot PTX");
+    let m2 = Module::load_ptx(
+        &ctx,
+        &metrale_benches::ptx_or("norm_local", "METRALE_NORM_PTX", norm::ADD_RMS_NORM_PTX),
+    )
+    .expect("the norm PTX");
     let dt = nccl_safe::DataType::Bfloat16;
     let k = Kernels {
         fused: m1

@@ -60,13 +60,11 @@ fn one_shot_local(c: &mut Criterion) {
         *DEVICE.lock() = d.name;
     }
     let ctx = Context::new(0).expect("device 0");
-    let ptx = match std::env::var_os("METRALE_ONE_SHOT_PTX") {
-        Some(path) => {
-            println!("one_shot_local: the kernel from {}", path.to_string_lossy());
-            std::fs::read_to_string(&path).expect("METRALE_ONE_SHOT_PTX names a PTX file")
-        }
-        None => kernels::ONE_SHOT_PTX.to_owned(),
-    };
+    let ptx = metrale_benches::ptx_or(
+        "one_shot_local",
+        "METRALE_ONE_SHOT_PTX",
+        kernels::ONE_SHOT_PTX,
+    );
     let module = Module::load_ptx(&ctx, &ptx).expect("the one-shot PTX");
     let f = module
         .function(kernels::BF16_ONE_SHOT_NAME)

@@ -16,6 +16,30 @@ pub mod collectives;
 pub mod plots;
 pub mod tables;
 
+/// The PTX in the file named by the variable `var`, else `committed` (the
+/// PTX built into the binary): how the one-GPU kernel benches
+/// (`one_shot_local`, `norm_local`) time kernels compiled with `cargo xtask
+/// ptx` against the committed ones on a box without Rust. `bench` names
+/// the bench in the line that says which file was loaded.
+///
+/// # Panics
+///
+/// When the variable names a file that cannot be read (a bench's set-up
+/// fails loudly rather than time the wrong kernels).
+pub fn ptx_or(bench: &str, var: &str, committed: &str) -> String {
+    match std::env::var_os(var) {
+        Some(path) => {
+            println!(
+                "{bench}: {var}: the kernels from {}",
+                path.to_string_lossy()
+            );
+            std::fs::read_to_string(&path)
+                .unwrap_or_else(|e| panic!("{var} names {}: {e}", path.to_string_lossy()))
+        }
+        None => committed.to_owned(),
+    }
+}
+
 /// A collective, for choosing its bus-bandwidth factor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Collective {
