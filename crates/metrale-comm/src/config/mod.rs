@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::error::CommError;
+use crate::timing::Trials;
 
 mod policy;
 pub use policy::{
@@ -115,6 +116,12 @@ pub struct BackendConfig {
     pub tune: bool,
     /// Where tuned tables are kept between starts.
     pub tune_cache: TuneCache,
+    /// The tuner's trials for every size (`METRALE_COMM_TUNE_TRIALS`,
+    /// `TRIALSxCALLS`, `1x1` and up); `None`, the default, takes
+    /// [`Trials::for_bytes`]. Fewer trials make the set-up shorter and the
+    /// figures noisier; where the times are exact (the emulator's cost
+    /// model) one call suffices. Part of the settings every rank must share.
+    pub tune_trials: Option<Trials>,
     /// Capacity of the fast path's receive buffer; larger payloads go in
     /// chunks of this size. A 2-rank backend whose policy can take the fast
     /// path allocates `min(scratch_bytes, largest fast-path payload)` of
@@ -147,6 +154,7 @@ impl BackendConfig {
             one_shot: OneShotPolicy::Auto,
             tune: true,
             tune_cache: TuneCache::Default,
+            tune_trials: None,
             scratch_bytes: 32 << 20,
             flight_recorder_capacity: 4096,
             dump_dir: None,
@@ -197,6 +205,13 @@ impl BackendConfig {
     /// Turns the tuner on or off (see [`BackendConfig::tune`]).
     pub fn with_tune(mut self, on: bool) -> Self {
         self.tune = on;
+        self
+    }
+
+    /// Sets the tuner's trials for every size (see
+    /// [`BackendConfig::tune_trials`]).
+    pub fn with_tune_trials(mut self, trials: Trials) -> Self {
+        self.tune_trials = Some(trials);
         self
     }
 
@@ -266,6 +281,15 @@ impl BackendConfig {
             return Err(CommError::Config(
                 "the flight recorder needs at least one entry".into(),
             ));
+        }
+        let in_bounds = |n: usize| (1..=MAX_TUNE_TRIALS).contains(&n);
+        if let Some(t) = self.tune_trials
+            && !(in_bounds(t.trials) && in_bounds(t.calls))
+        {
+            return Err(CommError::Config(format!(
+                "the tuner's trials ({} of {} calls) must each be 1 to {MAX_TUNE_TRIALS}",
+                t.trials, t.calls
+            )));
         }
         if self.watchdog_interval.is_zero() || self.watchdog_interval > Duration::from_secs(1) {
             return Err(CommError::Config(format!(
@@ -341,6 +365,9 @@ impl BackendConfig {
                 dir => TuneCache::Dir(PathBuf::from(dir)),
             };
         }
+        if let Some(t) = get("METRALE_COMM_TUNE_TRIALS") {
+            self.tune_trials = parse_trials(&t)?;
+        }
         if let Some(b) = get("METRALE_COMM_SCRATCH_BYTES") {
             self.scratch_bytes = parse_bytes(&b)?;
         }
@@ -363,6 +390,35 @@ impl BackendConfig {
         }
         self.validate()?;
         Ok(self)
+    }
+}
+
+/// The most trials, and calls per trial, [`BackendConfig::tune_trials`]
+/// takes.
+pub const MAX_TUNE_TRIALS: usize = 1000;
+
+/// `METRALE_COMM_TUNE_TRIALS`: `TRIALSxCALLS` (`5x16`), or empty for the
+/// default ladder. The bounds are [`BackendConfig::validate`]'s.
+fn parse_trials(v: &str) -> Result<Option<Trials>, CommError> {
+    let v = v.trim();
+    if v.is_empty() {
+        return Ok(None);
+    }
+    let bad = || {
+        CommError::Config(format!(
+            "METRALE_COMM_TUNE_TRIALS=`{v}`: expected TRIALSxCALLS (5x16), each 1 to {MAX_TUNE_TRIALS}"
+        ))
+    };
+    let (t, c) = v.split_once(['x', 'X']).ok_or_else(bad)?;
+    let num = |n: &str| {
+        n.trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=MAX_TUNE_TRIALS).contains(n))
+    };
+    match (num(t), num(c)) {
+        (Some(trials), Some(calls)) => Ok(Some(Trials { trials, calls })),
+        _ => Err(bad()),
     }
 }
 
@@ -580,5 +636,32 @@ mod tune_tests {
         assert_eq!(c.tune_cache, TuneCache::Dir(PathBuf::from("/tmp/x")));
         let c = with(&[("METRALE_COMM_TUNE_CACHE", "off")]).unwrap();
         assert_eq!(c.tune_cache, TuneCache::Off);
+        let c = with(&[("METRALE_COMM_TUNE_TRIALS", " 3x1 ")]).unwrap();
+        assert_eq!(
+            c.tune_trials,
+            Some(Trials {
+                trials: 3,
+                calls: 1
+            })
+        );
+        assert_eq!(
+            with(&[("METRALE_COMM_TUNE_TRIALS", "")])
+                .unwrap()
+                .tune_trials,
+            None
+        );
+        for bad in ["3", "0x4", "4x0", "x", "2x1001", "-1x2"] {
+            let vars: &'static [(&'static str, &'static str)] =
+                Box::leak(Box::new([("METRALE_COMM_TUNE_TRIALS", bad)]));
+            assert!(
+                matches!(with(vars), Err(CommError::Config(m)) if m.contains("METRALE_COMM_TUNE_TRIALS")),
+                "{bad}"
+            );
+        }
+        let zero = BackendConfig::new(0).with_tune_trials(Trials {
+            trials: 0,
+            calls: 4,
+        });
+        assert!(matches!(zero.validate(), Err(CommError::Config(m)) if m.contains("trials")));
     }
 }

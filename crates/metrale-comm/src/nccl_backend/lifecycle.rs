@@ -142,12 +142,13 @@ impl Inner {
     /// the call: every rank must report the same.
     pub(super) fn settings(&self, slot: &Slot) -> String {
         format!(
-            "one-shot {:?}; fast path {:?}; scratch {} bytes; add kernel {}; tune {}",
+            "one-shot {:?}; fast path {:?}; scratch {} bytes; add kernel {}; tune {}; tune trials {:?}",
             self.config.one_shot,
             self.config.fast_path,
             self.config.scratch_bytes,
             slot.fast.has_kernel(),
-            self.config.tune
+            self.config.tune,
+            self.config.tune_trials
         )
     }
 

@@ -333,7 +333,10 @@ impl Inner {
         buf: &DeviceBuffer<bf16>,
         deadline: Instant,
     ) -> nccl_safe::Result<Duration> {
-        let trials = Trials::for_bytes(buf.len() * 2);
+        let trials = self
+            .config
+            .tune_trials
+            .unwrap_or_else(|| Trials::for_bytes(buf.len() * 2));
         let left = || deadline.saturating_duration_since(Instant::now());
         let span = span_of(buf);
         let stream = slot.stream.raw();
