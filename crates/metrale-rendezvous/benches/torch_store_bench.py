@@ -20,7 +20,10 @@ and passes a barrier (rank 0 waits for every rank's key, then sets one key
 every other rank waits for). Time to barrier: from the ranks' release to
 the last one past the barrier. RSS, threads and descriptors are the
 serving process's: peak RSS (VmHWM) and the RSS before the ranks came.
-Without torch, only metrale's rows are run. Prints a markdown table.
+Accept-queue drops: the kernel's ListenOverflows over the run (connections
+dropped at a full accept queue, each retried by its client's kernel after
+1 s, then 3 s), with net.core.somaxconn, the queue's bound. Without torch,
+only metrale's rows are run. Prints a markdown table.
 """
 
 import json
@@ -100,13 +103,15 @@ def run_torch(bench, n, backend):
 
 
 def table(rows):
-    lines = ["| ranks | server | time to barrier | peak RSS (before the ranks) | threads | fds |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| ranks | server | time to barrier | peak RSS (before the ranks) | threads | fds "
+             "| accept-queue drops (somaxconn) |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         mib = lambda k: r.get(k, 0) / (1 << 20)
         t = f"{r['time_to_barrier_s']:.2f} s" if "time_to_barrier_s" in r else f"failed: {r.get('error')}"
         lines.append(f"| {r['ranks']} | {r['server']} | {t} | {mib('peak_rss_bytes'):.0f} MiB "
-                     f"({mib('base_rss_bytes'):.0f} MiB) | {r.get('threads_peak')} | {r.get('fds_peak')} |")
+                     f"({mib('base_rss_bytes'):.0f} MiB) | {r.get('threads_peak')} | {r.get('fds_peak')} "
+                     f"| {r.get('listen_overflows')} ({r.get('somaxconn')}) |")
     return "\n".join(lines) + "\n"
 
 

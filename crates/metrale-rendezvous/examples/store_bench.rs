@@ -200,6 +200,7 @@ fn run(n: usize, store: Option<SocketAddr>, per_process: usize) -> Result<serde_
     for k in &mut kids {
         ensure!(k.line()? == "ready", "a child's ranks did not start");
     }
+    let overflows_before = listen_overflows();
     for k in server.iter_mut().chain(kids.iter_mut()) {
         writeln!(k.stdin, "go")?;
         k.stdin.flush()?;
@@ -213,10 +214,17 @@ fn run(n: usize, store: Option<SocketAddr>, per_process: usize) -> Result<serde_
             .parse()?;
         slowest = slowest.max(secs);
     }
+    let overflows = listen_overflows()
+        .zip(overflows_before)
+        .map(|(after, before)| after.saturating_sub(before));
     let mut out = serde_json::json!({
         "server": if store.is_some() { "external" } else { "metrale" },
         "ranks": n,
         "time_to_barrier_s": slowest,
+        "listen_overflows": overflows,
+        "somaxconn": std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok()),
     });
     if let Some(k) = &mut server {
         let line = k.line()?;
@@ -238,6 +246,20 @@ fn run(n: usize, store: Option<SocketAddr>, per_process: usize) -> Result<serde_
         ensure!(status.success(), "a child failed ({status})");
     }
     Ok(out)
+}
+
+/// The kernel's count of connections dropped at a full accept queue
+/// (`TcpExt: ListenOverflows` in `/proc/net/netstat`, this network
+/// namespace's): each costs its client a SYN sent again after 1 s, then
+/// 3 s, whatever the server does.
+fn listen_overflows() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/net/netstat").ok()?;
+    let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
+    let (names, values) = (lines.next()?, lines.next()?);
+    let at = names
+        .split_whitespace()
+        .position(|n| n == "ListenOverflows")?;
+    values.split_whitespace().nth(at)?.parse().ok()
 }
 
 /// Rank 0 serving the store, measuring this process.

@@ -226,6 +226,7 @@ impl TcpRendezvous {
                     None => StoreLimits::from_env(world_size)?,
                 };
                 let server = StoreServer::bind_with(bind, token.clone(), limits)?;
+                warn_if_accept_queue_short(world_size);
                 let local = reachable(server.local_addr());
                 (Some(Arc::new(server)), local, true)
             }
@@ -424,5 +425,30 @@ impl Rendezvous for TcpRendezvous {
             server: self.server.clone(),
             barriers: BarrierCounters::default(),
         }))
+    }
+}
+
+/// Logs a warning where the kernel's accept queue (`net.core.somaxconn`)
+/// holds fewer connections than the world may open at once: past it the
+/// kernel drops a connecting rank's SYN, which costs that rank 1 s (then
+/// 3 s) before it tries again (store-bench at 16,384 ranks on one host:
+/// thousands of drops at somaxconn 4096, none at 65535). Outside Linux, or
+/// where the value cannot be read, nothing is said.
+fn warn_if_accept_queue_short(world_size: usize) {
+    let Some(queue) = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+    else {
+        return;
+    };
+    if world_size > queue {
+        tracing::warn!(
+            world_size,
+            somaxconn = queue,
+            "the store's accept queue holds {queue} connections (net.core.somaxconn) \
+             and {world_size} ranks may connect at once: a rank the kernel drops \
+             waits 1-3 s to try again; raise it on this host \
+             (sysctl -w net.core.somaxconn={world_size}) for a faster rendezvous"
+        );
     }
 }
