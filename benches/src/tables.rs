@@ -45,6 +45,32 @@ pub struct RunInfo {
     pub quick: bool,
     /// Seconds since the Unix epoch when the run began.
     pub started_unix: u64,
+    /// The ranges the default backend's path tuner chose (none at one
+    /// rank, or in a file of a run before the tuner).
+    #[serde(default)]
+    pub tuned: Vec<TunedRun>,
+}
+
+/// One range the path tuner chose: the sizes, both ends included, that
+/// take `path` (the all-reduce plot's name: `one-shot`, `fast path`) in
+/// `mode` (`eager`, `graph`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TunedRun {
+    /// The smallest payload, bytes.
+    pub min_bytes: u64,
+    /// The largest payload, bytes.
+    pub max_bytes: u64,
+    /// The path.
+    pub path: String,
+    /// The launch mode.
+    pub mode: String,
+}
+
+impl TunedRun {
+    /// The plot's form of the range.
+    pub fn as_plot(&self) -> bench_plot::TunedRange<'_> {
+        (self.min_bytes, self.max_bytes, &self.path, &self.mode)
+    }
 }
 
 impl RunInfo {

@@ -6,8 +6,9 @@
 //!
 //! Invariants: every planned group, function and size leaves criterion's
 //! estimates behind; a world of one runs in criterion's test mode; asking
-//! for more GPUs than there are is one line and exit 0. Nothing here
-//! judges the emulator's times.
+//! for more GPUs than there are is one line and exit 0; the run file
+//! holds the default backend's tuned ranges. Nothing here judges the
+//! emulator's times.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -52,13 +53,34 @@ fn tmp(name: &str) -> PathBuf {
 #[test]
 fn two_emulated_gpus_run_every_group_and_the_tables_read_them() {
     let home = tmp("emu-criterion-2");
-    let out = bench(2, &home, &[], &["--bench"]);
+    // The default backend's tuner gets a cache of its own, empty: its
+    // table is timed in this run, not read from an earlier one.
+    let cache = tmp("emu-criterion-2-cache");
+    let out = bench(
+        2,
+        &home,
+        &[("XDG_CACHE_HOME", cache.to_str().expect("a UTF-8 path"))],
+        &["--bench"],
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
     assert!(stdout.starts_with("collectives: 2 rank(s) on "), "{stdout}");
     let (info, entries) = read_run(&home, false, None).unwrap();
     assert_eq!((info.world, info.quick), (2, true));
+    // What the tuner chose depends on this machine's times (the choice
+    // itself is `tune_choice`'s to test, under injected costs); the run
+    // file holds it as ranges of the ladder, one-shot up to 1 MiB in
+    // either mode, the fast path eagerly up to 8 MiB.
+    for t in &info.tuned {
+        let most = match (t.path.as_str(), t.mode.as_str()) {
+            ("one-shot", "eager" | "graph") => 1 << 20,
+            ("fast path", "eager") => 8 << 20,
+            _ => panic!("an unexpected tuned range: {t:?}"),
+        };
+        assert!(t.min_bytes <= t.max_bytes && t.max_bytes <= most, "{t:?}");
+    }
+    eprintln!("the default backend's tuned ranges: {:?}", info.tuned);
     let caps = Caps {
         world: 2,
         nccl_all_to_all: true,
@@ -97,6 +119,7 @@ fn two_emulated_gpus_run_every_group_and_the_tables_read_them() {
         assert!(t.contains(section), "{section}:\n{t}");
     }
     std::fs::remove_dir_all(&home).unwrap();
+    let _ = std::fs::remove_dir_all(&cache);
 }
 
 #[test]

@@ -14,7 +14,7 @@
 
 use std::path::{Path, PathBuf};
 
-use metrale_benches::tables::{RunInfo, read_entries, read_run, render};
+use metrale_benches::tables::{RunInfo, TunedRun, read_entries, read_run, render};
 
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/criterion")
@@ -171,5 +171,56 @@ fn bench_tables_writes_the_run_s_plots_beside_its_table() {
     let svg = read("tables-busbw-graph.svg");
     assert!(svg.contains("send_recv, ours") && svg.contains("send_recv, raw NCCL"));
     assert!(!svg.contains("all_reduce, ours"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A run whose default backend was tuned records the tuner's ranges in
+/// its run file, and `bench-tables` shades them on the all-reduce plot; a
+/// run file from before the tuner reads with none. (The fixture's path
+/// sweep has 64 and 128 KiB; a band outside the data is clipped away.)
+#[test]
+fn the_tuner_s_ranges_of_a_run_are_shaded_on_its_all_reduce_plot() {
+    assert!(RunInfo::read(&fixture()).unwrap().tuned.is_empty());
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("tables-tuned");
+    let _ = std::fs::remove_dir_all(&dir);
+    copy_dir(&fixture(), &dir);
+    let tuned = vec![
+        TunedRun {
+            min_bytes: 96 << 10,
+            max_bytes: 128 << 10,
+            path: "fast path".into(),
+            mode: "eager".into(),
+        },
+        TunedRun {
+            min_bytes: 64 << 10,
+            max_bytes: 80 << 10,
+            path: "one-shot".into(),
+            mode: "graph".into(),
+        },
+    ];
+    let info = RunInfo {
+        tuned: tuned.clone(),
+        ..RunInfo::read(&fixture()).unwrap()
+    };
+    info.write(&dir).unwrap();
+    assert_eq!(RunInfo::read(&dir).unwrap().tuned, tuned);
+    let out = dir.join("tables.md");
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_bench-tables"))
+        .arg(&dir)
+        .arg("--all")
+        .arg("--out")
+        .arg(&out)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let svg = std::fs::read_to_string(dir.join("tables-all-reduce.svg")).unwrap();
+    for want in [
+        "tuned: fast path, eager",
+        "tuned: one-shot, graph",
+        "NCCL, eager",
+    ] {
+        assert!(svg.contains(want), "all-reduce plot: {want}");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }

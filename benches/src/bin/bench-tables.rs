@@ -64,7 +64,8 @@ fn run() -> anyhow::Result<i32> {
     print!("{text}");
     if let Some(out) = out {
         std::fs::write(&out, &text).with_context(|| format!("writing {}", out.display()))?;
-        for (name, svg) in metrale_benches::plots::collectives(&info, &entries, &[])? {
+        let tuned: Vec<_> = info.tuned.iter().map(|t| t.as_plot()).collect();
+        for (name, svg) in metrale_benches::plots::collectives(&info, &entries, &tuned)? {
             let path = metrale_benches::plots::svg_path(&out, &name);
             std::fs::write(&path, svg).with_context(|| format!("writing {}", path.display()))?;
             eprintln!("bench-tables: wrote {}", path.display());

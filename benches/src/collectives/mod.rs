@@ -152,16 +152,29 @@ fn run() -> anyhow::Result<()> {
         knobs.enqueue,
         if knobs.quick { ", quick" } else { "" }
     );
-    let one_shot_store = if world >= 2 {
-        match free_loopback_port() {
-            Ok(addr) => Some(addr),
-            Err(e) => {
-                println!("{NAME}: no loopback port for the one-shot backend's store ({e})");
-                return Ok(());
-            }
+    let store = |which: &str| match free_loopback_port() {
+        Ok(addr) => Ok(Some(addr)),
+        Err(e) => {
+            println!("{NAME}: no loopback port for the {which} backend's store ({e})");
+            Err(())
         }
-    } else {
-        None
+    };
+    let (one_shot_store, default_store) = match (world >= 2, world == 2) {
+        (false, _) => (None, None),
+        (true, two) => {
+            let Ok(one_shot) = store("one-shot") else {
+                return Ok(());
+            };
+            let default = if two {
+                let Ok(d) = store("default") else {
+                    return Ok(());
+                };
+                d
+            } else {
+                None
+            };
+            (one_shot, default)
+        }
     };
     let setup = Setup {
         world,
@@ -169,6 +182,7 @@ fn run() -> anyhow::Result<()> {
         enqueue: knobs.enqueue,
         max_bytes,
         one_shot_store,
+        default_store,
     };
     // Joining up to five communicators, each within WAIT, and the checks.
     let mut team = Team::start(world, 5 * WAIT, move |r| Rank::new(r, &setup))?;
@@ -180,6 +194,7 @@ fn run() -> anyhow::Result<()> {
         enqueue: format!("{:?}", knobs.enqueue),
         quick: knobs.quick,
         started_unix: RunInfo::now_unix(),
+        tuned: team.rank0().map(Rank::tuned).unwrap_or_default(),
     };
     if let Err(e) = info.write(&dir) {
         team.abort();

@@ -5,8 +5,9 @@
 //! `FastPathPolicy::Never` (the `ours` of every operation group), on 2 or
 //! more ranks one with `OneShotPolicy::Always` (through a TCP store on
 //! loopback: the one-shot path is set up only over a store), and on 2 ranks
-//! two more with `Always` and the default policy (the path sweep), each on
-//! its own communicator; one caller stream, two bf16 buffers of the
+//! two more with `Always` and the default policy (the path sweep; the
+//! default one through a store of its own, so that its path tuner times
+//! the one-shot path too), each on its own communicator; one caller stream, two bf16 buffers of the
 //! largest size, and two timing events. The backends' configurations are
 //! pinned (`without_env_overrides`): `METRALE_COMM_*` does not change what
 //! a group measures.
@@ -37,7 +38,8 @@ use anyhow::{Context as _, bail, ensure};
 use half::bf16;
 use metrale_comm::rendezvous::TcpRendezvous;
 use metrale_comm::{
-    BackendConfig, CommBackend, EnqueueMode, FastPathPolicy, NcclBackend, OneShotPolicy,
+    AllReducePath, BackendConfig, CommBackend, EnqueueMode, FastPathPolicy, LaunchMode,
+    NcclBackend, OneShotPolicy,
 };
 use nccl_safe::{
     AbortHandle, Comm, Context, DataType, DeviceBuffer, DeviceView, DeviceViewMut, Event,
@@ -46,6 +48,7 @@ use nccl_safe::{
 
 use super::plan::{Case, GRAPH_OPS, Impl, Mode, Op, Policy};
 use super::team::{Meet, Member, WAIT, run_deadline};
+use crate::tables::TunedRun;
 
 /// What every rank is built from.
 #[derive(Clone)]
@@ -61,6 +64,10 @@ pub struct Setup {
     pub max_bytes: usize,
     /// Where rank 0 serves the one-shot backend's store (2 or more ranks).
     pub one_shot_store: Option<std::net::SocketAddr>,
+    /// Where rank 0 serves the default backend's store (2 ranks; without
+    /// one the default backend meets by its unique id, and its tuner
+    /// cannot time the one-shot path).
+    pub default_store: Option<std::net::SocketAddr>,
 }
 
 /// One rank.
@@ -131,6 +138,29 @@ fn one_shot_backend(
     Ok(b)
 }
 
+/// The backend of the library's defaults (both paths tuned at set-up),
+/// agreeing through the store at `addr`.
+fn default_backend(
+    rank: usize,
+    setup: &Setup,
+    addr: std::net::SocketAddr,
+) -> anyhow::Result<NcclBackend> {
+    let rdzv = TcpRendezvous::new(rank, setup.world, addr, None, WAIT)
+        .context("the default backend's store")?;
+    NcclBackend::new(config(rank, setup, FastPathPolicy::DEFAULT), Box::new(rdzv))
+        .context("backend with the default policies")
+}
+
+/// A path's name on the plots (the all-reduce plot's series names).
+fn path_name(p: AllReducePath) -> &'static str {
+    match p {
+        AllReducePath::Nccl => "NCCL",
+        AllReducePath::FastPath => "fast path",
+        AllReducePath::OneShot => "one-shot",
+        _ => "another path",
+    }
+}
+
 /// Random small-integer bf16 (±1..8, never zero) for rank `rank`: sums of
 /// up to 8 ranks stay exact.
 fn host_data(n: usize, rank: usize) -> Vec<bf16> {
@@ -157,7 +187,10 @@ impl Rank {
         let (always, default) = match setup.ids.get(2..4) {
             Some([a, d]) => (
                 Some(backend(rank, setup, a, FastPathPolicy::Always)?),
-                Some(backend(rank, setup, d, FastPathPolicy::DEFAULT)?),
+                Some(match setup.default_store {
+                    Some(addr) => default_backend(rank, setup, addr)?,
+                    None => backend(rank, setup, d, FastPathPolicy::DEFAULT)?,
+                }),
             ),
             _ => (None, None),
         };
@@ -186,6 +219,26 @@ impl Rank {
         };
         r.verify()?;
         Ok(r)
+    }
+
+    /// The ranges the default backend's path tuner chose (every rank
+    /// holds the same table), for the run's plots; empty without a
+    /// default backend or a tuned table.
+    pub fn tuned(&self) -> Vec<TunedRun> {
+        let Some(table) = self.default.as_ref().and_then(NcclBackend::path_table) else {
+            return Vec::new();
+        };
+        LaunchMode::ALL
+            .iter()
+            .flat_map(|&mode| {
+                table.ranges(mode).iter().map(move |r| TunedRun {
+                    min_bytes: r.min_bytes as u64,
+                    max_bytes: r.max_bytes as u64,
+                    path: path_name(r.path).to_owned(),
+                    mode: mode.to_string(),
+                })
+            })
+            .collect()
     }
 
     fn backend(&self, p: Policy) -> anyhow::Result<&NcclBackend> {

@@ -209,6 +209,11 @@ impl<M: Member> Team<M> {
         })
     }
 
+    /// Rank 0 (built on this thread), until the team stops.
+    pub fn rank0(&self) -> Option<&M> {
+        self.rank0.as_ref()
+    }
+
     /// Number of ranks.
     pub fn world(&self) -> usize {
         self.workers.len() + 1
