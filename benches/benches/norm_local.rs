@@ -12,6 +12,11 @@
 //!   one stream, with criterion's throughput the bytes it must move
 //!   (x and the residual read, both written, the weight read: `4 n + h`
 //!   values), so the report gives its bandwidth;
+//! - `norm_local/{mode}/copy`: the anchor for that bandwidth, the
+//!   driver's device-to-device copy (`cuMemcpyDtoDAsync`) of half those
+//!   bytes (a copy reads and writes each), on the same stream, so the
+//!   kernel's figure can be read beside what the device does with the same
+//!   traffic at the same size;
 //!
 //! `mode` is `eager` (the host launches every rank's kernels per call) or
 //! `graph` (graphs of [`GRAPH_CALLS`] calls per rank, replayed: the GPU's
@@ -298,6 +303,65 @@ fn norm_alone(c: &mut Criterion, ctx: &std::sync::Arc<Context>, k: &Kernels) {
         // and outlive the work (waited for below); the stream is live.
         unsafe { norm::launch_add_rms_norm(&k.norm, a, s.raw()) }.expect("launch");
     };
+    // The anchor: the driver's device-to-device copy of half the bytes the
+    // kernel moves (a copy reads and writes each byte), same stream.
+    let copy_max = (4 * 128 + 1) * 8192;
+    let src = DeviceBuffer::<u8>::alloc(ctx, copy_max).expect("copy source");
+    let dst = DeviceBuffer::<u8>::alloc(ctx, copy_max).expect("copy target");
+    let copy = |bytes: usize| {
+        // SAFETY: both buffers are device memory of `ctx` holding
+        // `copy_max >= bytes` bytes, apart, and outlive the copy (waited
+        // for below); the stream is live.
+        unsafe {
+            nccl_safe::copy_device_async(ctx, dst.device_ptr(), src.device_ptr(), bytes, s.raw())
+        }
+        .expect("copy");
+    };
+    for mode in ["eager", "graph"] {
+        let mut group = c.benchmark_group(format!("norm_local/{mode}/copy"));
+        for hidden in HIDDEN {
+            for tokens in TOKENS {
+                let id = BenchmarkId::from_parameter(format!("{tokens}x{hidden}"));
+                let bytes = (4 * tokens + 1) * hidden;
+                group.throughput(Throughput::Bytes(2 * bytes as u64));
+                if mode == "eager" {
+                    group.bench_function(id, |b| {
+                        b.iter_custom(|iters| {
+                            let t0 = Instant::now();
+                            for _ in 0..iters {
+                                copy(bytes);
+                            }
+                            s.wait_until_idle(WAIT).expect("wait");
+                            t0.elapsed()
+                        })
+                    });
+                } else {
+                    s.begin_capture().expect("capture");
+                    for _ in 0..GRAPH_CALLS {
+                        copy(bytes);
+                    }
+                    let exec = s
+                        .end_capture()
+                        .expect("end")
+                        .instantiate()
+                        .expect("instantiate");
+                    group.bench_function(id, |b| {
+                        b.iter_custom(|iters| {
+                            let launches = iters.div_ceil(GRAPH_CALLS);
+                            let t0 = Instant::now();
+                            for _ in 0..launches {
+                                exec.launch(&s).expect("replay");
+                            }
+                            s.wait_until_idle(WAIT).expect("wait");
+                            t0.elapsed()
+                                .mul_f64(iters as f64 / (launches * GRAPH_CALLS) as f64)
+                        })
+                    });
+                }
+            }
+        }
+        group.finish();
+    }
     for mode in ["eager", "graph"] {
         let mut group = c.benchmark_group(format!("norm_local/{mode}/norm"));
         for hidden in HIDDEN {
