@@ -308,7 +308,8 @@ fn norm_alone(c: &mut Criterion, ctx: &std::sync::Arc<Context>, k: &Kernels) {
     let copy_max = (4 * 128 + 1) * 8192;
     let src = DeviceBuffer::<u8>::alloc(ctx, copy_max).expect("copy source");
     let dst = DeviceBuffer::<u8>::alloc(ctx, copy_max).expect("copy target");
-    let copy = |bytes: usize| {
+    let copy = |hidden: usize, tokens: usize| {
+        let bytes = (4 * tokens + 1) * hidden;
         // SAFETY: both buffers are device memory of `ctx` holding
         // `copy_max >= bytes` bytes, apart, and outlive the copy (waited
         // for below); the stream is live.
@@ -318,94 +319,64 @@ fn norm_alone(c: &mut Criterion, ctx: &std::sync::Arc<Context>, k: &Kernels) {
         .expect("copy");
     };
     for mode in ["eager", "graph"] {
-        let mut group = c.benchmark_group(format!("norm_local/{mode}/copy"));
-        for hidden in HIDDEN {
-            for tokens in TOKENS {
-                let id = BenchmarkId::from_parameter(format!("{tokens}x{hidden}"));
-                let bytes = (4 * tokens + 1) * hidden;
-                group.throughput(Throughput::Bytes(2 * bytes as u64));
-                if mode == "eager" {
-                    group.bench_function(id, |b| {
-                        b.iter_custom(|iters| {
-                            let t0 = Instant::now();
-                            for _ in 0..iters {
-                                copy(bytes);
-                            }
-                            s.wait_until_idle(WAIT).expect("wait");
-                            t0.elapsed()
-                        })
-                    });
-                } else {
-                    s.begin_capture().expect("capture");
-                    for _ in 0..GRAPH_CALLS {
-                        copy(bytes);
-                    }
-                    let exec = s
-                        .end_capture()
-                        .expect("end")
-                        .instantiate()
-                        .expect("instantiate");
-                    group.bench_function(id, |b| {
-                        b.iter_custom(|iters| {
-                            let launches = iters.div_ceil(GRAPH_CALLS);
-                            let t0 = Instant::now();
-                            for _ in 0..launches {
-                                exec.launch(&s).expect("replay");
-                            }
-                            s.wait_until_idle(WAIT).expect("wait");
-                            t0.elapsed()
-                                .mul_f64(iters as f64 / (launches * GRAPH_CALLS) as f64)
-                        })
-                    });
+        for (what, work) in [("copy", &copy as &dyn Fn(usize, usize)), ("norm", &launch)] {
+            let mut group = c.benchmark_group(format!("norm_local/{mode}/{what}"));
+            for hidden in HIDDEN {
+                for tokens in TOKENS {
+                    let id = BenchmarkId::from_parameter(format!("{tokens}x{hidden}"));
+                    group.throughput(Throughput::Bytes(((4 * tokens + 1) * hidden * 2) as u64));
+                    let one = || work(hidden, tokens);
+                    one_stream(&mut group, id, mode == "graph", &s, &one);
                 }
             }
+            group.finish();
         }
-        group.finish();
     }
-    for mode in ["eager", "graph"] {
-        let mut group = c.benchmark_group(format!("norm_local/{mode}/norm"));
-        for hidden in HIDDEN {
-            for tokens in TOKENS {
-                let id = BenchmarkId::from_parameter(format!("{tokens}x{hidden}"));
-                group.throughput(Throughput::Bytes(((4 * tokens + 1) * hidden * 2) as u64));
-                if mode == "eager" {
-                    group.bench_function(id, |b| {
-                        b.iter_custom(|iters| {
-                            let t0 = Instant::now();
-                            for _ in 0..iters {
-                                launch(hidden, tokens);
-                            }
-                            s.wait_until_idle(WAIT).expect("wait");
-                            t0.elapsed()
-                        })
-                    });
-                } else {
-                    s.begin_capture().expect("capture");
-                    for _ in 0..GRAPH_CALLS {
-                        launch(hidden, tokens);
-                    }
-                    let exec = s
-                        .end_capture()
-                        .expect("end")
-                        .instantiate()
-                        .expect("instantiate");
-                    group.bench_function(id, |b| {
-                        b.iter_custom(|iters| {
-                            let launches = iters.div_ceil(GRAPH_CALLS);
-                            let t0 = Instant::now();
-                            for _ in 0..launches {
-                                exec.launch(&s).expect("replay");
-                            }
-                            s.wait_until_idle(WAIT).expect("wait");
-                            t0.elapsed()
-                                .mul_f64(iters as f64 / (launches * GRAPH_CALLS) as f64)
-                        })
-                    });
+}
+
+/// Benchmarks `one` (work enqueued on `s`) as `id`: eagerly, `iters`
+/// calls then one wait; or in graphs of [`GRAPH_CALLS`] calls, replayed.
+fn one_stream(
+    group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    id: BenchmarkId,
+    graph: bool,
+    s: &Stream,
+    one: &dyn Fn(),
+) {
+    if !graph {
+        group.bench_function(id, |b| {
+            b.iter_custom(|iters| {
+                let t0 = Instant::now();
+                for _ in 0..iters {
+                    one();
                 }
-            }
-        }
-        group.finish();
+                s.wait_until_idle(WAIT).expect("wait");
+                t0.elapsed()
+            })
+        });
+        return;
     }
+    s.begin_capture().expect("capture");
+    for _ in 0..GRAPH_CALLS {
+        one();
+    }
+    let exec = s
+        .end_capture()
+        .expect("end")
+        .instantiate()
+        .expect("instantiate");
+    group.bench_function(id, |b| {
+        b.iter_custom(|iters| {
+            let launches = iters.div_ceil(GRAPH_CALLS);
+            let t0 = Instant::now();
+            for _ in 0..launches {
+                exec.launch(s).expect("replay");
+            }
+            s.wait_until_idle(WAIT).expect("wait");
+            t0.elapsed()
+                .mul_f64(iters as f64 / (launches * GRAPH_CALLS) as f64)
+        })
+    });
 }
 
 fn config() -> Criterion {
