@@ -136,20 +136,25 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
+/// Runs `bench-tables DIR --out OUT`, which must succeed.
+fn bench_tables(dir: &Path, out: &Path) {
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_bench-tables"))
+        .arg(dir)
+        .arg("--out")
+        .arg(out)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
 #[test]
 fn bench_tables_writes_the_run_s_plots_beside_its_table() {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("tables-plots");
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let out = dir.join("tables.md");
-    let status = std::process::Command::new(env!("CARGO_BIN_EXE_bench-tables"))
-        .arg(fixture())
-        .arg("--out")
-        .arg(&out)
-        .stdout(std::process::Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success());
+    bench_tables(&fixture(), &out);
     assert!(out.is_file());
     let read = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap();
     // The paths group of the fixture (eager): NCCL (`never`) and the fast
@@ -204,16 +209,7 @@ fn the_tuner_s_ranges_of_a_run_are_shaded_on_its_all_reduce_plot() {
     };
     info.write(&dir).unwrap();
     assert_eq!(RunInfo::read(&dir).unwrap().tuned, tuned);
-    let out = dir.join("tables.md");
-    let status = std::process::Command::new(env!("CARGO_BIN_EXE_bench-tables"))
-        .arg(&dir)
-        .arg("--all")
-        .arg("--out")
-        .arg(&out)
-        .stdout(std::process::Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success());
+    bench_tables(&dir, &dir.join("tables.md"));
     let svg = std::fs::read_to_string(dir.join("tables-all-reduce.svg")).unwrap();
     for want in [
         "tuned: fast path, eager",
