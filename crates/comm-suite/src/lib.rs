@@ -234,6 +234,16 @@ pub const FAST_PATH_WINDOW: metrale_comm::FastPathPolicy = metrale_comm::FastPat
     min_bytes: 2 << 20,
     max_bytes: 4 << 20,
 };
+/// The path tuner's trials on the emulator: one trial of two calls at
+/// every size (after its warm-up trial). The default ladder's medians of
+/// up to 5 x 16 calls took over the suite's 30 s set-up at four rank
+/// processes of a debug emulator on CI's two loaded cores; the emulator's
+/// times decide nothing a scenario checks (`tune_choice` injects exact
+/// costs), and on GPUs the suite keeps the library's trials.
+pub const EMU_TUNE_TRIALS: metrale_comm::timing::Trials = metrale_comm::timing::Trials {
+    trials: 1,
+    calls: 2,
+};
 /// The suite's one-shot policy unless a scenario names another.
 pub const ONE_SHOT_OFF: metrale_comm::OneShotPolicy = metrale_comm::OneShotPolicy::Never;
 /// The one-shot path up to its largest slot (1 MiB), for the scenarios
@@ -401,14 +411,15 @@ impl RankCtx {
     /// ([`ONE_SHOT_OFF`], [`FAST_PATH_WINDOW`]: a scenario states the
     /// paths it checks; the tuned default is the fuzzer's and
     /// `tune_choice`'s), the tuner's cache in the suite's own directory
-    /// ([`tune_cache_dir`]), and the enqueue mode from
+    /// ([`tune_cache_dir`]), on the emulator the tuner's trials at
+    /// [`EMU_TUNE_TRIALS`], and the enqueue mode from
     /// `METRALE_COMM_ENQUEUE` when set (so the whole suite can run on
     /// non-blocking communicators; the default is the library's,
     /// blocking).
     pub fn config(&self) -> metrale_comm::BackendConfig {
         // Pinned: a scenario's settings are what it checks, so only the
         // enqueue mode below comes from the environment.
-        let c = metrale_comm::BackendConfig::new(self.device)
+        let mut c = metrale_comm::BackendConfig::new(self.device)
             .with_collective_timeout(Duration::from_secs(30))
             .with_init_timeout(Duration::from_secs(30))
             .with_dump_dir(self.dump_dir())
@@ -416,6 +427,9 @@ impl RankCtx {
             .with_fast_path(FAST_PATH_WINDOW)
             .with_tune_cache(metrale_comm::TuneCache::Dir(tune_cache_dir()))
             .without_env_overrides();
+        if self.emu.is_some() {
+            c = c.with_tune_trials(EMU_TUNE_TRIALS);
+        }
         match std::env::var("METRALE_COMM_ENQUEUE") {
             Ok(m) => match metrale_comm::EnqueueMode::parse(&m) {
                 Ok(mode) => c.with_enqueue(mode),

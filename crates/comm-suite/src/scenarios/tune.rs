@@ -38,9 +38,9 @@ use AllReducePath::{FastPath, Nccl, OneShot};
 
 /// The tuner's trials here: the injected costs make every call's time
 /// exact, so one trial of one call reads what the default ladder's
-/// median of 5 x 16 reads, at a hundredth of the set-up (the default's
-/// own trials are the ones the dead-peer, shutdown and fuzz scenarios'
-/// tuned backends take).
+/// median of 5 x 16 reads, at a hundredth of the set-up (the other
+/// scenarios' tuned backends take the suite's [`crate::EMU_TUNE_TRIALS`]
+/// on the emulator, the library's trials on GPUs).
 const EXACT: Trials = Trials {
     trials: 1,
     calls: 1,

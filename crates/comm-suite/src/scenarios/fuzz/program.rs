@@ -20,8 +20,8 @@ use crate::data::size_name;
 /// The collective timeout of the fuzzed backends.
 pub(super) const COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(5);
 /// The set-up timeout of the fuzzed backends: it bounds the path tuner's
-/// default trials too, which a debug emulator at three ranks on CI's two
-/// loaded cores took 15 s over.
+/// timing too, which with the library's trials took a debug emulator at
+/// three ranks on CI's two loaded cores over 15 s.
 const INIT_TIMEOUT: Duration = Duration::from_secs(60);
 /// The shutdown timeout of the fuzzed backends.
 pub(super) const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(5);
