@@ -25,6 +25,8 @@
 //! (`metrale_comm::timing`) measures the same eager and graph calls; after
 //! the run both figures go side by side into `tuner-vs-criterion.md` in
 //! criterion's directory (the tuner must read what criterion reads).
+//! `METRALE_TUNER_EAGER_TRIALS=15x16,5x64` adds other trial shapes
+//! (trials x calls) for the eager calls, each a row of that table.
 //!
 //! After the run its table and plot go beside criterion's directory's
 //! groups: `one-shot-local.md` and `one-shot-local.svg` in it
@@ -184,6 +186,24 @@ fn tuner_method(
         let eager = timing::time_per_call(ctx, &streams, trials, wait, || {
             (0..trials.calls).try_for_each(|_| g.launch_all(f, n, LANE_EAGER))
         })?;
+        // Other trial shapes for the eager calls, beside the tuner's own.
+        for other in eager_trials_env() {
+            let t = timing::time_per_call(ctx, &streams, other, wait, || {
+                (0..other.calls).try_for_each(|_| g.launch_all(f, n, LANE_EAGER))
+            })?;
+            println!(
+                "one_shot_local: tuner method {}x{}: one_shot_local/eager/k{k}/{bytes}: {:.3} us",
+                other.trials,
+                other.calls,
+                t.as_secs_f64() * 1e6
+            );
+            TUNER.lock().push((
+                format!("one_shot_local/eager/k{k}"),
+                bytes,
+                format!("{}x{}", other.trials, other.calls),
+                t,
+            ));
+        }
         let execs: Vec<GraphExec> = (0..k)
             .map(|r| g.capture(f, r, n, trials.calls))
             .collect::<anyhow::Result<_>>()?;
@@ -201,22 +221,52 @@ fn tuner_method(
             );
         }
         let mut kept = TUNER.lock();
-        kept.push((format!("one_shot_local/eager/k{k}"), bytes, eager));
-        kept.push((format!("one_shot_local/graph/k{k}"), bytes, graph));
+        let own = |t: Trials| format!("{}x{}", t.trials, t.calls);
+        kept.push((
+            format!("one_shot_local/eager/k{k}"),
+            bytes,
+            own(trials),
+            eager,
+        ));
+        kept.push((
+            format!("one_shot_local/graph/k{k}"),
+            bytes,
+            own(trials),
+            graph,
+        ));
     }
     Ok(())
 }
 
-/// The tuner method's figures: (criterion group, bytes, time per call).
-static TUNER: parking_lot::Mutex<Vec<(String, usize, Duration)>> =
+/// Extra trial shapes for the eager calls, `TRIALSxCALLS` separated by
+/// commas (`METRALE_TUNER_EAGER_TRIALS=15x16,9x64`): each is measured
+/// beside the tuner's own and gets its row in the comparison.
+fn eager_trials_env() -> Vec<Trials> {
+    std::env::var("METRALE_TUNER_EAGER_TRIALS")
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|s| {
+            let (t, c) = s.trim().split_once('x')?;
+            Some(Trials {
+                trials: t.parse().ok()?,
+                calls: c.parse().ok()?,
+            })
+        })
+        .filter(|t| t.trials > 0 && t.calls > 0)
+        .collect()
+}
+
+/// The tuner method's figures: (criterion group, bytes, the trials as
+/// `TRIALSxCALLS`, time per call).
+static TUNER: parking_lot::Mutex<Vec<(String, usize, String, Duration)>> =
     parking_lot::Mutex::new(Vec::new());
 
 /// The tuner method's figures beside criterion's, as a markdown table.
 fn tuner_vs_criterion(entries: &[metrale_benches::tables::Entry]) -> String {
     let mut out = String::from(
-        "| group | bytes | criterion (us) | tuner method (us) | difference |\n|---|---:|---:|---:|---:|\n",
+        "| group | bytes | trials | criterion (us) | tuner method (us) | difference |\n|---|---:|---|---:|---:|---:|\n",
     );
-    for (group, bytes, t) in TUNER.lock().iter() {
+    for (group, bytes, shape, t) in TUNER.lock().iter() {
         // `BenchmarkId::from_parameter(bytes)`: criterion files the size
         // as the function's name, with the throughput beside it.
         let Some(e) = entries
@@ -227,7 +277,7 @@ fn tuner_vs_criterion(entries: &[metrale_benches::tables::Entry]) -> String {
         };
         let ours = t.as_secs_f64() * 1e6;
         out.push_str(&format!(
-            "| {group} | {bytes} | {:.2} | {ours:.2} | {:+.1} % |\n",
+            "| {group} | {bytes} | {shape} | {:.2} | {ours:.2} | {:+.1} % |\n",
             e.time.us,
             (ours / e.time.us - 1.0) * 100.0
         ));

@@ -147,21 +147,23 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 #   OUT/torchrun-world2.txt     the suite under real torchrun, 2 ranks on the CPU emulator
 #   OUT/torchrun-world4.txt     ... 4 ranks
 #   OUT/summary.txt             PASS/FAIL per step
-# usage: ./run.sh OUT [--sizes 1024,4096,16384] [--legacy] [--scenarios a,b] [--skip-bench] [--skip-suite]
+# usage: ./run.sh OUT [--sizes 1024,4096,16384] [--repeat N] [--legacy] [--scenarios a,b] [--skip-bench] [--skip-suite]
+#   --repeat N: each size N times, the servers interleaved; medians in the table
 #   PYTHON   (default /opt/torch/.venv/bin/python3)
 #   TORCHRUN (default /opt/torch/.venv/bin/torchrun)
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 mkdir -p "$1" && out="$(cd "$1" && pwd)" || exit 2
 shift
-sizes=1024,4096,16384 legacy=() scenarios=() bench=1 suite=1
+sizes=1024,4096,16384 repeat=1 legacy=() scenarios=() bench=1 suite=1
 while [ $# -gt 0 ]; do
     case "$1" in
         --sizes) sizes="$2"; shift ;;
+        --repeat) repeat="$2"; shift ;;
         --legacy) legacy=(--legacy) ;;
         --scenarios) scenarios=(--scenarios "$2"); shift ;;
         --skip-bench) bench=0 ;;
@@ -193,7 +195,7 @@ step "torch interop (rust serves, torch connects; torch serves, rust connects)" 
     "$py" "$here/torch_interop.py" "$here/torch_interop" "$out/torch-interop.txt"
 if [ "$bench" = 1 ]; then
     step "store bench (metrale beside torch)" \
-        "$py" "$here/torch_store_bench.py" "$here/store-bench" --sizes "$sizes" "${legacy[@]}" --out "$out/store-bench.md"
+        "$py" "$here/torch_store_bench.py" "$here/store-bench" --sizes "$sizes" --repeat "$repeat" "${legacy[@]}" --out "$out/store-bench.md"
 fi
 if [ "$suite" = 1 ]; then
     for world in 2 4; do

@@ -33,6 +33,27 @@ pub fn under_sanitizer() -> bool {
     std::env::var_os("METRALE_UNDER_SANITIZER").is_some_and(|v| v != "0")
         || std::env::var("CUDA_INJECTION64_PATH").is_ok_and(|p| p.contains("sanitizer"))
 }
+
+/// The PTX of a kernel module for the kernel scenarios: the file `var`
+/// names (`METRALE_ONE_SHOT_PTX`, `METRALE_NORM_PTX`: a kernel change
+/// compiled by `cargo xtask ptx`, checked on a GPU box by the bundle
+/// built before it, as the `one_shot_local` and `norm_local` benches
+/// load it), else the committed PTX. Says which it took.
+pub fn ptx_or(
+    var: &str,
+    committed: &'static str,
+) -> anyhow::Result<std::borrow::Cow<'static, str>> {
+    match std::env::var_os(var) {
+        Some(path) => {
+            println!("{var}: the kernels from {}", path.to_string_lossy());
+            let text = std::fs::read_to_string(&path)
+                .with_context(|| format!("{var} names {}", path.to_string_lossy()))?;
+            Ok(text.into())
+        }
+        None => Ok(committed.into()),
+    }
+}
+
 /// The lane of calls captured into graphs.
 pub const LANE_GRAPH: u32 = 1;
 /// The lane of eager calls.

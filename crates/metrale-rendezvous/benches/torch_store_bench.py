@@ -2,7 +2,7 @@
 """The rendezvous store at 1,024, 4,096 and 16,384 ranks: metrale's server
 beside PyTorch's TCPStore server (libuv; --legacy adds the legacy one).
 
-    torch_store_bench.py STORE_BENCH [--sizes 1024,4096,16384] [--legacy] [--out FILE]
+    torch_store_bench.py STORE_BENCH [--sizes 1024,4096,16384] [--repeat N] [--legacy] [--out FILE]
 
 STORE_BENCH is the `store_bench` example (cargo build --release -p
 metrale-rendezvous --example store_bench; the store bundle of `cargo xtask
@@ -24,6 +24,12 @@ Accept-queue drops: the kernel's ListenOverflows over the run (connections
 dropped at a full accept queue, each retried by its client's kernel after
 1 s, then 3 s), with net.core.somaxconn, the queue's bound. Without torch,
 only metrale's rows are run. Prints a markdown table.
+
+--repeat N (default 1) runs each size N times, the servers interleaved
+and their order alternated from one round to the next (the box's drift
+and the order's cost fall on both alike); the table then gives each
+server's median time to barrier with the range of its N runs, and the
+other columns of its median run. Every run's JSON line follows the table.
 """
 
 import json
@@ -102,6 +108,26 @@ def run_torch(bench, n, backend):
     return row
 
 
+def medians(rows):
+    """One row per (ranks, server): its median run by time to barrier, with
+    `runs` (how many) and `range_s` (the fastest and slowest run) added; a
+    failed run keeps its own row."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["ranks"], r["server"]), []).append(r)
+    out = []
+    for (_, _), runs in groups.items():
+        ok = sorted((r for r in runs if "time_to_barrier_s" in r),
+                    key=lambda r: r["time_to_barrier_s"])
+        out.extend(r for r in runs if "time_to_barrier_s" not in r)
+        if ok:
+            mid = dict(ok[(len(ok) - 1) // 2])
+            mid["runs"] = len(ok)
+            mid["range_s"] = [ok[0]["time_to_barrier_s"], ok[-1]["time_to_barrier_s"]]
+            out.append(mid)
+    return out
+
+
 def table(rows):
     lines = ["| ranks | server | time to barrier | peak RSS (before the ranks) | threads | fds "
              "| accept-queue drops (somaxconn) |",
@@ -109,6 +135,9 @@ def table(rows):
     for r in rows:
         mib = lambda k: r.get(k, 0) / (1 << 20)
         t = f"{r['time_to_barrier_s']:.2f} s" if "time_to_barrier_s" in r else f"failed: {r.get('error')}"
+        if r.get("runs", 1) > 1:
+            lo, hi = r["range_s"]
+            t += f" (median of {r['runs']}: {lo:.2f}-{hi:.2f})"
         lines.append(f"| {r['ranks']} | {r['server']} | {t} | {mib('peak_rss_bytes'):.0f} MiB "
                      f"({mib('base_rss_bytes'):.0f} MiB) | {r.get('threads_peak')} | {r.get('fds_peak')} "
                      f"| {r.get('listen_overflows')} ({r.get('somaxconn')}) |")
@@ -130,6 +159,7 @@ def main():
         sizes = [int(x) for x in args[args.index("--sizes") + 1].split(",")]
     if "--out" in args:
         out = args[args.index("--out") + 1]
+    repeat = int(args[args.index("--repeat") + 1]) if "--repeat" in args else 1
     backends = ["libuv"] + (["legacy"] if "--legacy" in args else [])
     try:
         import torch
@@ -139,16 +169,20 @@ def main():
         print("torch is not installed here: only metrale's rows", file=sys.stderr)
     rows = []
     for n in sizes:
-        rows.append(run_metrale(bench, n))
-        print(json.dumps(rows[-1]), file=sys.stderr)
-        if version:
-            for b in backends:
-                row = run_torch(bench, n, b)
-                row["server"] = f"torch {version} {b}"
-                row["ranks"] = n
+        for i in range(repeat):
+            servers = ["metrale"] + (backends if version else [])
+            if i % 2 == 1:
+                servers.reverse()
+            for b in servers:
+                if b == "metrale":
+                    row = run_metrale(bench, n)
+                else:
+                    row = run_torch(bench, n, b)
+                    row["server"] = f"torch {version} {b}"
+                    row["ranks"] = n
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr)
-    text = table(rows)
+    text = table(medians(rows) if repeat > 1 else rows)
     print(text, end="")
     if out:
         with open(out, "w") as f:

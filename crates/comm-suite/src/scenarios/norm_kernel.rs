@@ -35,8 +35,14 @@ const WAIT: Duration = Duration::from_secs(60);
 /// See the module docs.
 pub fn kernel_one_device(ctx: &RankCtx) -> anyhow::Result<()> {
     let c = ctx.context()?;
-    let one_shot = Module::load_ptx(&c, kernels::ONE_SHOT_PTX)?;
-    let separate = Module::load_ptx(&c, norm::ADD_RMS_NORM_PTX)?;
+    let one_shot = Module::load_ptx(
+        &c,
+        &crate::one_shot_local::ptx_or("METRALE_ONE_SHOT_PTX", kernels::ONE_SHOT_PTX)?,
+    )?;
+    let separate = Module::load_ptx(
+        &c,
+        &crate::one_shot_local::ptx_or("METRALE_NORM_PTX", norm::ADD_RMS_NORM_PTX)?,
+    )?;
     of::<bf16>(ctx, &c, (&one_shot, &separate))?;
     of::<f16>(ctx, &c, (&one_shot, &separate))?;
     of::<f32>(ctx, &c, (&one_shot, &separate))?;

@@ -66,7 +66,10 @@ const STATUS_BAD_LAUNCH: u32 = OneShotStatus::BadLaunch as u32;
 /// See the module docs.
 pub fn kernel_one_device(ctx: &RankCtx) -> anyhow::Result<()> {
     let c = ctx.context()?;
-    let module = Module::load_ptx(&c, kernels::ONE_SHOT_PTX)?;
+    let module = Module::load_ptx(
+        &c,
+        &crate::one_shot_local::ptx_or("METRALE_ONE_SHOT_PTX", kernels::ONE_SHOT_PTX)?,
+    )?;
     kernel_of::<bf16>(ctx, &c, &module, true)?;
     kernel_of::<f16>(ctx, &c, &module, false)?;
     kernel_of::<f32>(ctx, &c, &module, false)
