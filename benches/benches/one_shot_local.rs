@@ -96,6 +96,7 @@ fn one_shot_local(c: &mut Criterion) {
         eager.finish();
         graphs(c, &format!("one_shot_local/graph/k{k}"), &g, &f, false);
         tuner_method(&ctx, &g, &f, k).expect("the tuner's timing method");
+        tuner_ladder_cost(&ctx, &g, &f, k).expect("the tuner's one-shot ladder");
         graphs(
             c,
             &format!("one_shot_local/graph_serial/k{k}"),
@@ -235,6 +236,60 @@ fn tuner_method(
             graph,
         ));
     }
+    Ok(())
+}
+
+/// What the path tuner's timing of the one-shot path costs at set-up, on
+/// `k` simulated ranks: its ladder (8 B by x4 to
+/// `AUTO_ONE_SHOT_MAX_BYTES`), each rung timed eagerly and as a captured,
+/// instantiated and replayed graph with `Trials::for_bytes`, as
+/// `nccl_backend/tune.rs` does; the wall time, printed. NCCL's own rungs
+/// (which the tuner times beside it) and the fast path's cannot run on one
+/// device.
+fn tuner_ladder_cost(
+    ctx: &std::sync::Arc<Context>,
+    g: &LocalOneShot<bf16>,
+    f: &nccl_safe::Function,
+    k: usize,
+) -> anyhow::Result<()> {
+    let streams: Vec<&Stream> = (0..k).map(|r| g.stream(r)).collect();
+    let wait = Duration::from_secs(30);
+    let top = metrale_comm::config::AUTO_ONE_SHOT_MAX_BYTES.min(SLOT_BYTES);
+    let mut rungs: Vec<usize> = std::iter::successors(Some(8usize), |s| Some(s * 4))
+        .take_while(|&s| s <= top)
+        .collect();
+    if rungs.last() != Some(&top) {
+        rungs.push(top);
+    }
+    let (mut eager, mut graph) = (Duration::ZERO, Duration::ZERO);
+    for &bytes in &rungs {
+        let n = bytes / 2;
+        let trials = Trials::for_bytes(bytes);
+        let t = Instant::now();
+        timing::time_per_call(ctx, &streams, trials, wait, || {
+            (0..trials.calls).try_for_each(|_| g.launch_all(f, n, LANE_EAGER))
+        })?;
+        eager += t.elapsed();
+        let t = Instant::now();
+        let execs: Vec<GraphExec> = (0..k)
+            .map(|r| g.capture(f, r, n, trials.calls))
+            .collect::<anyhow::Result<_>>()?;
+        timing::time_per_call(ctx, &streams, trials, wait, || {
+            execs
+                .iter()
+                .enumerate()
+                .try_for_each(|(r, e)| e.launch(g.stream(r)).map_err(anyhow::Error::from))
+        })?;
+        graph += t.elapsed();
+    }
+    println!(
+        "one_shot_local: the tuner's one-shot ladder at k{k}: {} rungs, {:.1} ms \
+         (eager {:.1} ms, graph capture and timing {:.1} ms)",
+        rungs.len(),
+        (eager + graph).as_secs_f64() * 1e3,
+        eager.as_secs_f64() * 1e3,
+        graph.as_secs_f64() * 1e3
+    );
     Ok(())
 }
 
