@@ -24,15 +24,66 @@
 //          nothing.
 //   grid:  any; one block a row is the host's choice (at most 2^20 blocks).
 //   shared memory: static only.
-// Each row's residual is written in the first pass and read back by the
-// same thread in the second (no register limit on hidden); vector loads
-// when a row's address is 16-byte aligned.
+// A row of at most REG_CHUNKS chunks a thread (bf16 and f16 up to 8,192
+// values, f32 up to 4,096) is held in registers: its loads go out
+// together and the second pass reads them there. A longer row's residual
+// is written in the first pass and read back by the same thread in the
+// second (no register limit on hidden). Vector loads when a row's address
+// is 16-byte aligned.
 
 #include "abi.h"
 #include "norm.cuh"
 
 // The ABI this module was compiled against (crates/kernel-abi).
 extern "C" __device__ const unsigned long long metrale_kernel_abi = METRALE_KERNEL_ABI;
+
+// The chunks a thread holds in registers across a row's two passes.
+constexpr unsigned int REG_CHUNKS = 2u;
+
+// A row of at most REG_CHUNKS chunks a thread: every load of the row
+// (x, the residual, the weight) goes out before the first store, and the
+// scaling reads the new residual from registers, so the row costs one
+// round trip to memory instead of one per chunk and pass. The arithmetic
+// and its order are norm_rows's two-pass loop's.
+template <class E>
+__device__ __forceinline__ void norm_row_in_registers(typename E::Bits* xr, typename E::Bits* rr,
+                                                      const typename E::Bits* weight,
+                                                      unsigned int hidden, unsigned int chunks,
+                                                      bool vec, bool wvec, float eps)
+{
+    uint4 s[REG_CHUNKS];
+    uint4 res[REG_CHUNKS];
+    uint4 w[REG_CHUNKS];
+#pragma unroll
+    for (unsigned int c = 0; c < REG_CHUNKS; ++c) {
+        const unsigned int j = threadIdx.x + c * blockDim.x;
+        s[c] = make_uint4(0u, 0u, 0u, 0u);
+        res[c] = s[c];
+        w[c] = s[c];
+        if (j < chunks) {
+            s[c] = norm_load<E>(xr, hidden, j, vec);
+            res[c] = norm_load<E>(rr, hidden, j, vec);
+            w[c] = norm_load<E>(weight, hidden, j, wvec && vec);
+        }
+    }
+    float acc = 0.0f;
+#pragma unroll
+    for (unsigned int c = 0; c < REG_CHUNKS; ++c) {
+        const unsigned int j = threadIdx.x + c * blockDim.x;
+        if (j < chunks) {
+            res[c] = norm_add<E>(s[c], res[c], acc);
+            norm_store<E>(rr, hidden, j, vec, res[c]);
+        }
+    }
+    const float inv = norm_inv(norm_block_sum(acc), hidden, eps);
+#pragma unroll
+    for (unsigned int c = 0; c < REG_CHUNKS; ++c) {
+        const unsigned int j = threadIdx.x + c * blockDim.x;
+        if (j < chunks) {
+            norm_store<E>(xr, hidden, j, vec, norm_scale<E>(res[c], w[c], inv));
+        }
+    }
+}
 
 template <class E>
 __device__ __forceinline__ void norm_rows(typename E::Bits* x, typename E::Bits* residual,
@@ -51,6 +102,10 @@ __device__ __forceinline__ void norm_rows(typename E::Bits* x, typename E::Bits*
         typename E::Bits* rr = residual + row * hidden;
         const bool vec = ((reinterpret_cast<unsigned long long>(xr) |
                            reinterpret_cast<unsigned long long>(rr)) & 15ull) == 0ull;
+        if (chunks <= REG_CHUNKS * blockDim.x) {
+            norm_row_in_registers<E>(xr, rr, weight, hidden, chunks, vec, wvec, eps);
+            continue;
+        }
         float acc = 0.0f;
         for (unsigned int j = threadIdx.x; j < chunks; j += blockDim.x) {
             const uint4 s = norm_load<E>(xr, hidden, j, vec);

@@ -692,6 +692,69 @@ __device__ __forceinline__ bool os_fused_row(const OsCall& c, typename E::Bits* 
     return true;
 }
 
+// The units of a row a thread holds in registers from its sum to its
+// scaling (bf16 and f16 rows up to 8,192 values, f32 up to 4,096, at
+// NORM_BLOCK threads), in worlds of 2 ranks; a longer row, or a larger
+// world, takes os_fused_row. At 3-8 ranks the wider waits' loads beside
+// the held units pass the 64 registers a thread (OS_MIN_BLOCKS) and
+// spill: that build was up to 15 % slower at 8 simulated ranks (one
+// H100, norm_local), where at 2 ranks this path is 0-9 % faster.
+constexpr unsigned int OS_ROW_REGS = 2u;
+static_assert(OS_ROW_REGS == 2u, "os_fused's push names the registers xv[0] and xv[1]");
+
+// os_fused_row for a row of at most OS_ROW_REGS units a thread: the
+// residual's and the weight's units are loaded beside the peers' (one
+// round trip, not one after the sum and one after the block's sum), and
+// the new residual stays in registers for the scaling. The arithmetic
+// and its order are os_fused_row's.
+template <class E, class N, int MP, int G>
+__device__ __forceinline__ bool os_fused_row_regs(const OsCall& c, typename E::Bits* x,
+                                                  typename E::Bits* res,
+                                                  const typename E::Bits* weight,
+                                                  unsigned int row, unsigned int units_row,
+                                                  unsigned int hidden, float eps)
+{
+    typename E::Bits* xr = x + (unsigned long long)row * hidden;
+    typename E::Bits* rr = res + (unsigned long long)row * hidden;
+    float acc = 0.0f;
+    bool ok = true;
+    uint4 r[OS_ROW_REGS];
+    uint4 wv[OS_ROW_REGS];
+#pragma unroll
+    for (unsigned int k = 0; k < OS_ROW_REGS; ++k) {
+        const unsigned int j = threadIdx.x + k * blockDim.x;
+        r[k] = make_uint4(0u, 0u, 0u, 0u);
+        wv[k] = r[k];
+        if (ok && j < units_row) {
+            const unsigned int u = row * units_row + j;
+            uint4 v[G];
+            os_issue<G>(c, u, 0, v);
+            const uint4 o = os_canon(*reinterpret_cast<const uint4*>(xr + j * E::PER));
+            const uint4 old = *reinterpret_cast<const uint4*>(rr + j * E::PER);
+            wv[k] = *reinterpret_cast<const uint4*>(weight + j * E::PER);
+            uint4 sum;
+            ok = os_sum<E, MP, G>(c, u, o, v, sum);
+            if (ok) {
+                r[k] = norm_add<N>(sum, old, acc);
+                *reinterpret_cast<uint4*>(rr + j * E::PER) = r[k];
+            }
+        }
+    }
+    const float ss = norm_block_sum(acc);
+    if (__syncthreads_or(ok ? 0 : 1)) {
+        return false;
+    }
+    const float inv = norm_inv(ss, hidden, eps);
+#pragma unroll
+    for (unsigned int k = 0; k < OS_ROW_REGS; ++k) {
+        const unsigned int j = threadIdx.x + k * blockDim.x;
+        if (j < units_row) {
+            *reinterpret_cast<uint4*>(xr + j * E::PER) = norm_scale<N>(r[k], wv[k], inv);
+        }
+    }
+    return true;
+}
+
 template <class E, class N>
 __device__ __forceinline__ void os_fused(OsCtrl* ctrl, typename E::Bits* x, typename E::Bits* res,
                                          const typename E::Bits* weight,
@@ -730,6 +793,29 @@ __device__ __forceinline__ void os_fused(OsCtrl* ctrl, typename E::Bits* x, type
     c.n = hidden * rows;
     c.aligned = true;
     const unsigned int units_row = (unsigned int)(hidden * size / 16ull);
+    // The units of the block's first row that a thread pushes are loaded
+    // beside the claim, as the plain kernel's first unit is (they need
+    // nothing of the control block); only the launch's own parameters
+    // decide them (a shape or alignment the launch contract refuses loads
+    // nothing).
+    const bool params_ok = hidden64 != 0ull && hidden64 <= NORM_MAX_HIDDEN && rows64 != 0ull &&
+                           rows64 <= OS_MAX_SLOT && ((hidden64 * size) & 15ull) == 0ull &&
+                           (blockDim.x & 31u) == 0u &&
+                           ((reinterpret_cast<unsigned long long>(x) |
+                             reinterpret_cast<unsigned long long>(res) |
+                             reinterpret_cast<unsigned long long>(weight)) & 15ull) == 0ull;
+    const unsigned int units_p = params_ok ? (unsigned int)(hidden64 * size / 16ull) : 0u;
+    const bool regs = units_p != 0u && units_p <= OS_ROW_REGS * blockDim.x;
+    uint4 xv[OS_ROW_REGS];
+#pragma unroll
+    for (unsigned int k = 0; k < OS_ROW_REGS; ++k) {
+        const unsigned int j = threadIdx.x + k * blockDim.x;
+        xv[k] = make_uint4(0u, 0u, 0u, 0u);
+        if (j < units_p && blockIdx.x < rows64) {
+            xv[k] = *reinterpret_cast<const uint4*>(
+                x + ((unsigned long long)blockIdx.x * units_p + j) * E::PER);
+        }
+    }
     const bool bad = !shape_ok || lane >= OS_LANES || c.world < 2u || c.world > OS_MAX_RANKS ||
                      c.rank >= c.world || slot > OS_MAX_SLOT || (slot & 15ull) != 0ull ||
                      (blockDim.x & 31u) != 0u ||
@@ -762,12 +848,17 @@ __device__ __forceinline__ void os_fused(OsCtrl* ctrl, typename E::Bits* x, type
     const unsigned int region = (lane * OS_HALVES + half) * c.world * c.slot;
     c.mine = s_peer[c.rank] + region;
 
-    // 1. Push this block's rows into slot `rank` of every peer.
+    // 1. Push this block's rows into slot `rank` of every peer (the first
+    // row's units a thread loaded beside the claim, OS_ROW_REGS of them).
     const unsigned int out = region + c.rank * c.slot;
     for (unsigned int row = blockIdx.x; row < rows; row += gridDim.x) {
         for (unsigned int j = threadIdx.x; j < units_row; j += blockDim.x) {
             const unsigned int u = row * units_row + j;
-            const uint4 a = os_canon(*reinterpret_cast<const uint4*>(x + (unsigned long long)u * E::PER));
+            const unsigned int k = (j - threadIdx.x) / blockDim.x;
+            const uint4 a = os_canon(
+                row == blockIdx.x && k < OS_ROW_REGS
+                    ? (k == 0u ? xv[0] : xv[1])
+                    : *reinterpret_cast<const uint4*>(x + (unsigned long long)u * E::PER));
             for (unsigned int p = 0; p < c.world; ++p) {
                 if (p != c.rank) {
                     os_st(s_peer[p] + (out + u * 16u), a);
@@ -776,10 +867,21 @@ __device__ __forceinline__ void os_fused(OsCtrl* ctrl, typename E::Bits* x, type
         }
     }
 
-    // 2-3 and the norm, row by row.
+    // 2-3 and the norm, row by row: a row held in registers at 2 ranks,
+    // else os_fused_row. (The branches are written as they were measured
+    // on the GPU; folding the first one's worlds into the second changes
+    // the PTX.)
     bool ok = true;
     for (unsigned int row = blockIdx.x; ok && row < rows; row += gridDim.x) {
-        if (c.world == 2u) {
+        if (regs) {
+            if (c.world == 2u) {
+                ok = os_fused_row_regs<E, N, 1, 1>(c, x, res, weight, row, units_row, hidden, eps);
+            } else if (c.world <= 4u) {
+                ok = os_fused_row<E, N, 3, 3>(c, x, res, weight, row, units_row, hidden, eps);
+            } else {
+                ok = os_fused_row<E, N, 7, 4>(c, x, res, weight, row, units_row, hidden, eps);
+            }
+        } else if (c.world == 2u) {
             ok = os_fused_row<E, N, 1, 1>(c, x, res, weight, row, units_row, hidden, eps);
         } else if (c.world <= 4u) {
             ok = os_fused_row<E, N, 3, 3>(c, x, res, weight, row, units_row, hidden, eps);
