@@ -160,6 +160,9 @@ def main():
     if "--out" in args:
         out = args[args.index("--out") + 1]
     repeat = int(args[args.index("--repeat") + 1]) if "--repeat" in args else 1
+    if repeat < 1:
+        print("--repeat takes a count of at least 1", file=sys.stderr)
+        return 2
     backends = ["libuv"] + (["legacy"] if "--legacy" in args else [])
     try:
         import torch
