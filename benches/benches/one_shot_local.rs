@@ -179,19 +179,13 @@ fn tuner_method(
     f: &nccl_safe::Function,
     k: usize,
 ) -> anyhow::Result<()> {
-    let streams: Vec<&Stream> = (0..k).map(|r| g.stream(r)).collect();
-    let wait = Duration::from_secs(30);
     for bytes in SIZES {
         let n = bytes / 2;
         let trials = Trials::for_bytes(bytes);
-        let eager = timing::time_per_call(ctx, &streams, trials, wait, || {
-            (0..trials.calls).try_for_each(|_| g.launch_all(f, n, LANE_EAGER))
-        })?;
+        let eager = time_eager(ctx, g, f, n, trials)?;
         // Other trial shapes for the eager calls, beside the tuner's own.
         for other in eager_trials_env() {
-            let t = timing::time_per_call(ctx, &streams, other, wait, || {
-                (0..other.calls).try_for_each(|_| g.launch_all(f, n, LANE_EAGER))
-            })?;
+            let t = time_eager(ctx, g, f, n, other)?;
             println!(
                 "one_shot_local: tuner method {}x{}: one_shot_local/eager/k{k}/{bytes}: {:.3} us",
                 other.trials,
@@ -205,15 +199,7 @@ fn tuner_method(
                 t,
             ));
         }
-        let execs: Vec<GraphExec> = (0..k)
-            .map(|r| g.capture(f, r, n, trials.calls))
-            .collect::<anyhow::Result<_>>()?;
-        let graph = timing::time_per_call(ctx, &streams, trials, wait, || {
-            execs
-                .iter()
-                .enumerate()
-                .try_for_each(|(r, e)| e.launch(g.stream(r)).map_err(anyhow::Error::from))
-        })?;
+        let graph = time_graph(ctx, g, f, n, trials)?;
         // Printed as measured too, so a run cut short still shows them.
         for (mode, t) in [("eager", eager), ("graph", graph)] {
             println!(
@@ -252,8 +238,6 @@ fn tuner_ladder_cost(
     f: &nccl_safe::Function,
     k: usize,
 ) -> anyhow::Result<()> {
-    let streams: Vec<&Stream> = (0..k).map(|r| g.stream(r)).collect();
-    let wait = Duration::from_secs(30);
     let top = metrale_comm::config::AUTO_ONE_SHOT_MAX_BYTES.min(SLOT_BYTES);
     let mut rungs: Vec<usize> = std::iter::successors(Some(8usize), |s| Some(s * 4))
         .take_while(|&s| s <= top)
@@ -266,20 +250,10 @@ fn tuner_ladder_cost(
         let n = bytes / 2;
         let trials = Trials::for_bytes(bytes);
         let t = Instant::now();
-        timing::time_per_call(ctx, &streams, trials, wait, || {
-            (0..trials.calls).try_for_each(|_| g.launch_all(f, n, LANE_EAGER))
-        })?;
+        time_eager(ctx, g, f, n, trials)?;
         eager += t.elapsed();
         let t = Instant::now();
-        let execs: Vec<GraphExec> = (0..k)
-            .map(|r| g.capture(f, r, n, trials.calls))
-            .collect::<anyhow::Result<_>>()?;
-        timing::time_per_call(ctx, &streams, trials, wait, || {
-            execs
-                .iter()
-                .enumerate()
-                .try_for_each(|(r, e)| e.launch(g.stream(r)).map_err(anyhow::Error::from))
-        })?;
+        time_graph(ctx, g, f, n, trials)?;
         graph += t.elapsed();
     }
     println!(
@@ -292,6 +266,44 @@ fn tuner_ladder_cost(
     );
     Ok(())
 }
+
+/// The tuner's method on `n` values' eager calls of every simulated rank.
+fn time_eager(
+    ctx: &std::sync::Arc<Context>,
+    g: &LocalOneShot<bf16>,
+    f: &nccl_safe::Function,
+    n: usize,
+    trials: Trials,
+) -> anyhow::Result<Duration> {
+    let streams: Vec<&Stream> = (0..g.ranks()).map(|r| g.stream(r)).collect();
+    timing::time_per_call(ctx, &streams, trials, TUNER_WAIT, || {
+        (0..trials.calls).try_for_each(|_| g.launch_all(f, n, LANE_EAGER))
+    })
+}
+
+/// The tuner's method on graphs of `trials.calls` calls of `n` values,
+/// one per simulated rank, captured and instantiated here, then replayed.
+fn time_graph(
+    ctx: &std::sync::Arc<Context>,
+    g: &LocalOneShot<bf16>,
+    f: &nccl_safe::Function,
+    n: usize,
+    trials: Trials,
+) -> anyhow::Result<Duration> {
+    let streams: Vec<&Stream> = (0..g.ranks()).map(|r| g.stream(r)).collect();
+    let execs: Vec<GraphExec> = (0..g.ranks())
+        .map(|r| g.capture(f, r, n, trials.calls))
+        .collect::<anyhow::Result<_>>()?;
+    timing::time_per_call(ctx, &streams, trials, TUNER_WAIT, || {
+        execs
+            .iter()
+            .enumerate()
+            .try_for_each(|(r, e)| e.launch(g.stream(r)).map_err(anyhow::Error::from))
+    })
+}
+
+/// The bound of one measurement's host wait.
+const TUNER_WAIT: Duration = Duration::from_secs(30);
 
 /// Extra trial shapes for the eager calls, `TRIALSxCALLS` separated by
 /// commas (`METRALE_TUNER_EAGER_TRIALS=15x16,9x64`): each is measured
