@@ -17,7 +17,13 @@
 //!   written after `ncclCommAbort` returns; device memory is touched only
 //!   through `memory::access`.
 //! - A message is written whole under its link's write lock; a writer
-//!   gives up (the link is then broken) only when the mesh is closed.
+//!   gives up (the link is then broken) when the mesh is closed or the
+//!   link fails. A write that fails, or finds the link broken, while the
+//!   mesh is open is not itself the peer's loss: the peer closed its end,
+//!   and whether it left or was lost is what it sent before (a `Bye` or
+//!   not), so the send waits for the link's reader to decide, as a wait
+//!   for that peer does; a peer that left therefore blocks this rank's
+//!   collectives until abort whichever side of its close they run.
 //! - A peer is `Up`, `Left` (it sent `Bye`: waits for it block until
 //!   abort, sends to it are dropped, as a send to a peer that aborted is
 //!   in process) or `Lost` (its link ended otherwise: waits that need it
@@ -25,10 +31,11 @@
 //! - A reader ends at its link's end, or [`DRAIN`] after this rank closed
 //!   the mesh; the link's socket closes when the mesh is dropped.
 //!
-//! Lock order: a link's write lock, then the mesh's state (a writer that
-//! fails marks the peer lost), then the memory registry (outputs are
-//! written under the state's lock). A close releases the state before it
-//! takes the write locks, and waits for one at most [`BYE_WAIT`].
+//! Lock order: the mesh's state, then the memory registry (outputs are
+//! written under the state's lock). A link's write lock is a leaf: a
+//! writer takes the state before and after it, never while holding it, and
+//! a close releases the state before it takes the write locks, and waits
+//! for one at most [`BYE_WAIT`].
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{Shutdown, TcpStream};
@@ -49,6 +56,10 @@ const DRAIN: Duration = Duration::from_secs(2);
 /// How long a close waits for a writer to finish its message before it
 /// gives up on saying `Bye` on that link.
 pub(super) const BYE_WAIT: Duration = Duration::from_millis(200);
+/// How long a writer whose link broke waits for the link's reader to say
+/// whether the peer left or was lost (the reader reaches the end of a
+/// broken link within a tick once it runs).
+const SETTLE: Duration = Duration::from_secs(2);
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Peer {
@@ -94,6 +105,18 @@ struct MeshSt {
     /// The text of the first peer lost (the one that stopped answering
     /// first), reported as the communicator's asynchronous error.
     first_lost: Option<String>,
+}
+
+impl MeshSt {
+    /// What a send to `j` comes to once `j` is no longer up: dropped when
+    /// it left, its loss when it is lost; `None` while it is up.
+    fn fate(&self, j: usize) -> Option<Result<(), CollErr>> {
+        match self.peers.get(j) {
+            Some(Some(Peer::Left)) => Some(Ok(())),
+            Some(Some(Peer::Lost(why))) => Some(Err(remote(why.clone()))),
+            _ => None,
+        }
+    }
 }
 
 /// A cross-process communicator's links and mailboxes.
@@ -327,40 +350,61 @@ impl Mesh {
         }
     }
 
-    /// Writes one message to `j`: `Ok(false)` when it was dropped (`j`
+    /// Writes one message to `j`: `Ok(())` also when it was dropped (`j`
     /// left), `None` when this mesh closed meanwhile.
     fn send(&self, j: usize, head: &Frame, data: &[u8]) -> Option<Result<(), CollErr>> {
         let link = self.links.get(j)?.as_ref()?;
-        match self.st.lock().peers.get(j) {
-            Some(Some(Peer::Left)) => return Some(Ok(())),
-            Some(Some(Peer::Lost(why))) => return Some(Err(remote(why.clone()))),
-            _ => {}
+        if let Some(r) = self.st.lock().fate(j) {
+            return Some(r);
         }
         let stop = || self.is_closed();
-        let _w = link.w.lock();
-        if link.broken.load(Ordering::Acquire) {
+        let failed = {
+            let _w = link.w.lock();
+            if link.broken.load(Ordering::Acquire) {
+                None
+            } else {
+                let r = wire::write_frame(&link.s, head, &stop)
+                    .and_then(|()| wire::write_chunks(&link.s, data, &stop));
+                match r {
+                    Ok(()) => return Some(Ok(())),
+                    Err(e) => {
+                        link.broken.store(true, Ordering::Release);
+                        Some(e)
+                    }
+                }
+            }
+        };
+        if self.is_closed() {
             return None;
         }
-        let r = wire::write_frame(&link.s, head, &stop)
-            .and_then(|()| wire::write_chunks(&link.s, data, &stop));
-        match r {
-            Ok(()) => Some(Ok(())),
-            Err(_) if self.is_closed() => {
-                link.broken.store(true, Ordering::Release);
-                None
-            }
-            Err(e) => {
-                link.broken.store(true, Ordering::Release);
-                if self.st.lock().peers.get(j) == Some(&Some(Peer::Left)) {
-                    return Some(Ok(()));
+        self.settle(j, failed.as_ref())
+    }
+
+    /// The link to `j` broke under a writer (`e`, or an earlier writer's
+    /// error): `j` closed its end, and only what it sent before (a `Bye`
+    /// or not) says whether it left or was lost, so this waits for the
+    /// reader to reach the link's end, at most [`SETTLE`], then marks `j`
+    /// lost if the reader has not decided; `None` when the mesh closes
+    /// first.
+    fn settle(&self, j: usize, e: Option<&std::io::Error>) -> Option<Result<(), CollErr>> {
+        let deadline = Instant::now() + SETTLE;
+        {
+            let mut st = self.st.lock();
+            loop {
+                if self.is_closed() {
+                    return None;
                 }
-                self.lost(j, gone_reason(Some(&e)));
-                match self.st.lock().peers.get(j) {
-                    Some(Some(Peer::Lost(why))) => Some(Err(remote(why.clone()))),
-                    _ => Some(Ok(())),
+                if let Some(r) = st.fate(j) {
+                    return Some(r);
                 }
+                if Instant::now() >= deadline {
+                    break;
+                }
+                self.cv.wait_for(&mut st, IO_TICK);
             }
         }
+        self.lost(j, gone_reason(e));
+        Some(self.st.lock().fate(j).unwrap_or(Ok(())))
     }
 
     /// Waits until `take` finds what it needs from the peers in `need`;

@@ -17,7 +17,10 @@
 //! # What a dead peer looks like
 //! A peer that closes a link after `Bye` (its destroy or abort) has left:
 //! operations waiting for it stay blocked until this rank aborts, as on
-//! GPUs when a peer stops calling. A link that ends without `Bye` (the
+//! GPUs when a peer stops calling; a send that finds the link closed
+//! waits for its reader to say which of the two the peer did, so a peer
+//! that left blocks a collective whether its close comes before, during or
+//! after this rank's operation. A link that ends without `Bye` (the
 //! process exited or was killed, or a malformed frame) is lost: every wait
 //! that needs that peer, and every send to it, ends with `ncclRemoteError`
 //! as the communicator's asynchronous error, naming the peer. The first
