@@ -7,7 +7,14 @@
 //! SIGKILL, with an error naming the failed rank, and shut down within
 //! 1 s, reporting any leak; a SIGSTOPped rank, continued after the
 //! survivors left, must fail and shut down too. No all-reduce that
-//! returned `Ok` may hold a wrong element.
+//! returned `Ok` may hold a wrong element. Rank 0 serves the store in
+//! which the survivors' census names the rank that stopped answering, and
+//! a store gone mid-census names rank 0 (`metrale_comm`'s failure path):
+//! a surviving rank 0 therefore keeps its backend, and the store, until
+//! every other survivor has its error (bounded), as a launcher's store
+//! outlives the ranks' diagnoses; otherwise a survivor whose timeout
+//! fires later than rank 0's census ends (a loaded machine) finds the
+//! store gone and names rank 0.
 //!
 //! Invariants: the case comes from [`CASE_ENV`] (set by the
 //! orchestrator); the signal's wall-clock time from the run directory's
@@ -128,6 +135,25 @@ fn names(e: &CommError, r: usize) -> bool {
             .is_some_and(|s| s.rank == r)
 }
 
+/// Rank 0, a survivor, serving the store (with `b`, which its caller
+/// still holds): waits until every other survivor has written its
+/// timing, so has its error and its census through the store is over, or
+/// until the case's bound + [`SHUTDOWN_BOUND`] after the signal (the
+/// orchestrator bounds a survivor's exit 1 s later).
+fn keep_the_store(ctx: &RankCtx, case: Case, signalled: u128) {
+    let bound = if case.kill { KILL_BOUND } else { STOP_BOUND };
+    let until = signalled + (bound + SHUTDOWN_BOUND).as_micros();
+    let dir = ctx.dump_dir();
+    let others: Vec<usize> = (1..ctx.world_size).filter(|&r| r != case.victim).collect();
+    while now_us() < until
+        && !others
+            .iter()
+            .all(|r| dir.with_file_name(format!("timing-rank{r}")).exists())
+    {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// The rank body: see the module docs.
 pub fn dead_peer(ctx: &RankCtx) -> anyhow::Result<()> {
     if ctx.mode == crate::Mode::Threads {
@@ -229,6 +255,9 @@ pub fn dead_peer(ctx: &RankCtx) -> anyhow::Result<()> {
             .with_file_name(format!("timing-rank{}", ctx.rank)),
         &line,
     )?;
+    if ctx.rank == 0 && case.victim != 0 {
+        keep_the_store(ctx, case, signalled);
+    }
     ensure!(
         took <= SHUTDOWN_BOUND,
         "{line}: shutdown took more than {SHUTDOWN_BOUND:?}"
