@@ -701,3 +701,63 @@ impl Mesh {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::net::TcpListener;
+
+    use super::*;
+
+    /// A mesh of rank 0 of two whose link to rank 1 is one end of a
+    /// loopback connection; the other end is returned, as rank 1.
+    fn mesh() -> (Arc<Mesh>, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let mine = TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
+        let (theirs, _) = l.accept().expect("accept");
+        wire::prepare(&mine).expect("prepare");
+        let ep = Endpoint {
+            nonce: 1,
+            pid: std::process::id(),
+            port: 0,
+            device: 0,
+            slot: 0,
+        };
+        (
+            Mesh::start(7, 0, vec![ep, ep], vec![None, Some(mine)]),
+            theirs,
+        )
+    }
+
+    #[test]
+    fn a_send_on_a_broken_link_waits_for_the_reader_to_say_left_or_lost() {
+        for bye in [true, false] {
+            let (m, theirs) = mesh();
+            if let Some(Some(link)) = m.links.get(1) {
+                link.broken.store(true, Ordering::Release);
+            }
+            let m2 = m.clone();
+            let head = Frame::Split {
+                seq: 1,
+                color: 0,
+                key: 0,
+            };
+            let t = std::thread::spawn(move || m2.send(1, &head, &[]));
+            std::thread::sleep(Duration::from_millis(100));
+            assert!(!t.is_finished(), "the send waits while the peer is up");
+            if bye {
+                wire::write_frame(&theirs, &Frame::Bye, &|| false).expect("bye");
+            }
+            drop(theirs);
+            let r = t.join().expect("the sender");
+            if bye {
+                assert!(matches!(r, Some(Ok(()))), "dropped, the peer left");
+            } else {
+                assert!(
+                    matches!(&r, Some(Err((ncclResult_t::ncclRemoteError, why))) if why.contains("rank 1")),
+                    "lost"
+                );
+            }
+            m.close();
+        }
+    }
+}
