@@ -26,7 +26,9 @@
 //! the run both figures go side by side into `tuner-vs-criterion.md` in
 //! criterion's directory (the tuner must read what criterion reads).
 //! `METRALE_TUNER_EAGER_TRIALS=15x16,5x64` adds other trial shapes
-//! (trials x calls) for the eager calls, each a row of that table.
+//! (trials x calls) for the eager calls, each a row of that table;
+//! `METRALE_TUNER_REPEATS=21` measures the tuner's own shape 21 times and
+//! adds the median of those figures (their range in its label).
 //!
 //! After the run its table and plot go beside criterion's directory's
 //! groups: `one-shot-local.md` and `one-shot-local.svg` in it
@@ -199,6 +201,34 @@ fn tuner_method(
                 t,
             ));
         }
+        // The tuner's own shape, measured `METRALE_TUNER_REPEATS` times:
+        // the median of its figures (the method's bias) beside criterion,
+        // their range (one set-up's spread) in the row's label.
+        let repeats = tuner_repeats_env();
+        if repeats > 1 {
+            let mut runs = (0..repeats)
+                .map(|_| time_eager(ctx, g, f, n, trials))
+                .collect::<anyhow::Result<Vec<Duration>>>()?;
+            runs.sort();
+            let us = |d: Duration| d.as_secs_f64() * 1e6;
+            let label = format!(
+                "{}x{}, median of {repeats} ({:.2}-{:.2})",
+                trials.trials,
+                trials.calls,
+                us(runs[0]),
+                us(runs[repeats - 1])
+            );
+            println!(
+                "one_shot_local: tuner method {label}: one_shot_local/eager/k{k}/{bytes}: {:.3} us",
+                us(runs[repeats / 2])
+            );
+            TUNER.lock().push((
+                format!("one_shot_local/eager/k{k}"),
+                bytes,
+                label,
+                runs[repeats / 2],
+            ));
+        }
         let graph = time_graph(ctx, g, f, n, trials)?;
         // Printed as measured too, so a run cut short still shows them.
         for (mode, t) in [("eager", eager), ("graph", graph)] {
@@ -304,6 +334,16 @@ fn time_graph(
 
 /// The bound of one measurement's host wait.
 const TUNER_WAIT: Duration = Duration::from_secs(30);
+
+/// How many times the tuner's own eager shape is measured for the
+/// median row (`METRALE_TUNER_REPEATS=21`); 1 (no such row) unless set.
+fn tuner_repeats_env() -> usize {
+    std::env::var("METRALE_TUNER_REPEATS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .unwrap_or(1)
+        .clamp(1, 1001)
+}
 
 /// Extra trial shapes for the eager calls, `TRIALSxCALLS` separated by
 /// commas (`METRALE_TUNER_EAGER_TRIALS=15x16,9x64`): each is measured
