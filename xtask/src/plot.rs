@@ -55,8 +55,8 @@ const DOCS: [DocPlot; 2] = [
         header: "| ranks | server | time to barrier",
         holding: "PyTorch",
         kind: Kind::Store,
-        machine: "16 CPU cores, torch 2.11.0+cu130, somaxconn 4096",
-        date: "2026-12-05",
+        machine: "16 CPU cores, torch 2.11.0+cu130, somaxconn 65535",
+        date: "2026-12-07",
     },
     DocPlot {
         file: "one-shot-local-graph-order.svg",
