@@ -237,6 +237,77 @@ pub enum RendezvousError {
         /// What the store said.
         refusal: StoreRefusal,
     },
+    /// The store failed during a [`Rendezvous::census`], after this rank's
+    /// own report was set: what the census had read before it failed.
+    #[error("the store failed during census `{name}`: {source}")]
+    CensusCut {
+        /// The census' name.
+        name: String,
+        /// What it had read.
+        so_far: CensusSoFar,
+        /// How the store failed.
+        #[source]
+        source: Box<RendezvousError>,
+    },
+}
+
+/// What a [`Rendezvous::census`] had read when its store failed
+/// ([`RendezvousError::CensusCut`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CensusSoFar {
+    /// The ranks seen to have reported (`arrived[r]`), this rank included.
+    /// A rank not seen may have reported after the last look.
+    pub arrived: Vec<bool>,
+    /// Another rank's verdict, read before the store failed.
+    pub verdict: Option<CensusVerdict>,
+}
+
+/// The verdict a census publishes when it ends at its deadline with ranks
+/// missing, for a census of the same name that the store fails before
+/// it ends ([`CensusSoFar::verdict`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CensusVerdict {
+    /// The rank whose census it is.
+    pub by: usize,
+    /// The ranks that census did not see report, in rank order.
+    pub missing: Vec<usize>,
+}
+
+impl CensusSoFar {
+    /// What a census had read: the ranks seen and another rank's verdict.
+    pub fn new(arrived: Vec<bool>, verdict: Option<CensusVerdict>) -> Self {
+        CensusSoFar { arrived, verdict }
+    }
+}
+
+impl CensusVerdict {
+    /// A verdict of rank `by` that ranks `missing` did not report.
+    pub fn new(by: usize, missing: Vec<usize>) -> Self {
+        CensusVerdict { by, missing }
+    }
+
+    /// The verdict's value in the store: `BY:M1,M2,...`.
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let missing: Vec<String> = self.missing.iter().map(usize::to_string).collect();
+        format!("{}:{}", self.by, missing.join(",")).into_bytes()
+    }
+
+    /// The verdict a store's value holds, if it is one of `world_size`
+    /// ranks.
+    pub(crate) fn decode(value: &[u8], world_size: usize) -> Option<Self> {
+        let text = std::str::from_utf8(value).ok()?;
+        let (by, missing) = text.split_once(':')?;
+        let rank = |s: &str| s.parse::<usize>().ok().filter(|&r| r < world_size);
+        let by = rank(by)?;
+        let missing = missing
+            .split(',')
+            .filter(|s| !s.is_empty())
+            .map(rank)
+            .collect::<Option<Vec<usize>>>()?;
+        Some(CensusVerdict { by, missing })
+    }
 }
 
 /// What to do about a taken store port, in general.
@@ -273,7 +344,16 @@ pub trait Rendezvous: Send + Sync + std::fmt::Debug {
     /// A census of who arrived: this rank sets `name`, then waits until
     /// every rank has or `timeout` passes, and says which ranks had
     /// (`arrived[r]`). Ranks that meet no barrier (one that stopped
-    /// answering) show as absent. Without a store: `Unsupported`.
+    /// answering) show as absent. A census that ends at its deadline with
+    /// ranks missing publishes that as its verdict ([`CensusVerdict`]; one
+    /// more set, bounded by a quarter of `timeout`), and a census reads the
+    /// verdicts of the same name's other censuses as it waits: a store
+    /// that fails after this rank's report was set ends the census with
+    /// [`RendezvousError::CensusCut`], carrying the ranks seen so far and
+    /// any verdict read, so that the caller keeps what it learned (the
+    /// store's host leaving after its own census is not the rank that
+    /// stopped answering). Returns within `timeout` and a quarter. Without
+    /// a store: `Unsupported`.
     fn census(&self, name: &str, timeout: Duration) -> Result<Vec<bool>, RendezvousError> {
         let _ = timeout;
         Err(RendezvousError::Unsupported(format!(

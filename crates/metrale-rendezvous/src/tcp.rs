@@ -12,7 +12,12 @@
 //! refusal of a rank's key rank 0 passes on to them, on a store of ours,
 //! `StoreClient::pass_refusal`): each
 //! rank sends O(1) bytes and the store holds O(world) waits (a `WAIT` of
-//! every key by every rank was O(world²)). Only idempotent queries, so a
+//! every key by every rank was O(world²)). A census sets
+//! `{ns}census/{name}/{rank}` and polls the ranks' keys it has not seen
+//! and `{ns}census/{name}/verdict`, which a census that ends at its
+//! deadline with ranks missing sets (`BY:M1,M2`); a store that fails
+//! after this rank's key is set ends it with what it read
+//! ([`RendezvousError::CensusCut`]). Only idempotent queries, so a
 //! client may send them again after a lost connection. Rank 0 must keep
 //! its rendezvous alive while others use its store (end with a barrier
 //! before dropping it).
@@ -42,8 +47,8 @@ use super::launcher::{Launch, Launcher, StoreRole, bind_addr};
 use super::limits::StoreLimits;
 use super::server::{StoreServer, StoreStats};
 use super::{
-    BarrierCounters, ID_LEN, Rendezvous, RendezvousError, TOKEN_ENV, check_rank, exchange_id_via,
-    group_namespace, uid_key,
+    BarrierCounters, CensusSoFar, CensusVerdict, ID_LEN, Rendezvous, RendezvousError, TOKEN_ENV,
+    check_rank, exchange_id_via, group_namespace, uid_key,
 };
 
 /// The namespace of a rendezvous that names none.
@@ -293,6 +298,26 @@ impl TcpRendezvous {
     }
 }
 
+/// Another census' verdict under `key`, if one is there and reads as one.
+fn read_verdict(
+    client: &StoreClient,
+    key: &str,
+    world_size: usize,
+    deadline: Instant,
+    grace: Duration,
+) -> Result<Option<CensusVerdict>, RendezvousError> {
+    if !client.check(&[key])? {
+        return Ok(None);
+    }
+    // The key is there: the get does not wait for it, but may take its
+    // round trip up to `grace` past the census' deadline.
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(grace);
+    let value = client.get(key, left)?;
+    Ok(CensusVerdict::decode(&value, world_size))
+}
+
 impl Rendezvous for TcpRendezvous {
     fn rank(&self) -> usize {
         self.rank
@@ -329,19 +354,54 @@ impl Rendezvous for TcpRendezvous {
         let keys: Vec<String> = (0..self.world_size)
             .map(|r| format!("{base}/{r}"))
             .collect();
+        let verdict_key = format!("{base}/verdict");
         let mut arrived = vec![false; self.world_size];
         arrived[self.rank] = true;
+        let mut verdict: Option<CensusVerdict> = None;
+        // From here on a failing store ends the census with what it read.
+        let cut =
+            |arrived: &[bool], verdict: &Option<CensusVerdict>, e| RendezvousError::CensusCut {
+                name: name.to_owned(),
+                so_far: CensusSoFar::new(arrived.to_vec(), verdict.clone()),
+                source: Box::new(e),
+            };
         loop {
             // A key once set stays: only the ranks not yet seen are asked
-            // again, so a poll costs one round trip per missing rank, and
+            // again, so a poll costs one round trip per missing rank (and
+            // one for another census' verdict, until there is one), and
             // the last one ends soon after the deadline on a slow store.
             for (r, k) in keys.iter().enumerate() {
                 if !arrived[r] {
-                    arrived[r] = client.check(&[k.as_str()])?;
+                    arrived[r] = client
+                        .check(&[k.as_str()])
+                        .map_err(|e| cut(&arrived, &verdict, e))?;
                 }
             }
+            if verdict.is_none() {
+                verdict = read_verdict(
+                    &client,
+                    &verdict_key,
+                    self.world_size,
+                    deadline,
+                    timeout / 4,
+                )
+                .map_err(|e| cut(&arrived, &verdict, e))?;
+            }
             let now = Instant::now();
-            if arrived.iter().all(|a| *a) || now >= deadline {
+            if arrived.iter().all(|a| *a) {
+                return Ok(arrived);
+            }
+            if now >= deadline {
+                let missing: Vec<usize> = (0..self.world_size).filter(|&r| !arrived[r]).collect();
+                let mine = CensusVerdict::new(self.rank, missing);
+                // Best effort: the verdict serves only a census the store
+                // fails before it ends.
+                if let Err(e) = client.set_by(&verdict_key, &mine.encode(), now + timeout / 4) {
+                    tracing::debug!(
+                        rank = self.rank,
+                        "census `{name}`: publishing its verdict failed: {e}"
+                    );
+                }
                 return Ok(arrived);
             }
             std::thread::sleep(Duration::from_millis(10).min(deadline - now));

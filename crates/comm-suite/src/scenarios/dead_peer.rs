@@ -8,13 +8,14 @@
 //! 1 s, reporting any leak; a SIGSTOPped rank, continued after the
 //! survivors left, must fail and shut down too. No all-reduce that
 //! returned `Ok` may hold a wrong element. Rank 0 serves the store in
-//! which the survivors' census names the rank that stopped answering, and
-//! a store gone mid-census names rank 0 (`metrale_comm`'s failure path):
-//! a surviving rank 0 therefore keeps its backend, and the store, until
-//! every other survivor has its error (bounded), as a launcher's store
-//! outlives the ranks' diagnoses; otherwise a survivor whose timeout
-//! fires later than rank 0's census ends (a loaded machine) finds the
-//! store gone and names rank 0.
+//! which the survivors' census names the rank that stopped answering; a
+//! store gone mid-census leaves a survivor only what its census read
+//! before (rank 0's verdict or report; with neither it names rank 0,
+//! `metrale_comm`'s failure path): a surviving rank 0 therefore keeps its
+//! backend, and the store, until every other survivor has its error
+//! (bounded), as a launcher's store outlives the ranks' diagnoses, so
+//! that a survivor whose timeout fires later than rank 0's census ends
+//! (a loaded machine) still gets a whole census.
 //!
 //! Invariants: the case comes from [`CASE_ENV`] (set by the
 //! orchestrator); the signal's wall-clock time from the run directory's
