@@ -55,6 +55,24 @@ pub const FUSED_ENTRIES: [(&str, &str); 3] = [
     ("f32_one_shot_add_rms_norm", "float"),
 ];
 
+/// The fused one-shot entries that split a row over the blocks of a thread
+/// block cluster (compute capability 9.0 and newer; in `one_shot_sm90.ptx`,
+/// built from `one_shot.cu` with `OS_CLUSTER`), by element type. Their
+/// parameters and arithmetic are [`FUSED_ENTRIES`]'; a launch has cluster
+/// dimensions `(c, 1, 1)`, `c` 1 to [`MAX_CLUSTER`], `gridDim.x` a multiple
+/// of `c`, and `blockDim.x * c` threads split each row, block `b` of a
+/// cluster taking the row's threads `b * blockDim.x ..`: the block of
+/// [`threads`] threads of the other entries, spread over `c` blocks.
+pub const FUSED_CLUSTER_ENTRIES: [(&str, &str); 3] = [
+    ("bf16_one_shot_add_rms_norm_cluster", "__nv_bfloat16"),
+    ("f16_one_shot_add_rms_norm_cluster", "__half"),
+    ("f32_one_shot_add_rms_norm_cluster", "float"),
+];
+
+/// The most blocks a cluster of the fused cluster entries (the portable
+/// cluster size of compute capability 9.0).
+pub const MAX_CLUSTER: u32 = 8;
+
 /// The threads that split a row of `hidden` values of `size` bytes: one
 /// per 16-byte chunk, rounded up to a warp, at most [`BLOCK`].
 pub const fn threads(hidden: usize, size: usize) -> u32 {
@@ -148,6 +166,12 @@ pub(crate) fn write_header(h: &mut String) {
         "Most threads a block (__launch_bounds__).",
         "NORM_BLOCK",
         BLOCK,
+    );
+    define(
+        h,
+        "Most blocks a cluster of the fused cluster entries.",
+        "NORM_MAX_CLUSTER",
+        format!("{MAX_CLUSTER}u"),
     );
     let _ = writeln!(h);
 }
