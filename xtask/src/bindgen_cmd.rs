@@ -83,6 +83,7 @@ const CUDA_FUNCTIONS: &[&str] = &[
     "cuModuleUnload",
     "cuModuleGetFunction",
     "cuLaunchKernel",
+    "cuLaunchKernelEx",
 ];
 
 /// Types wanted beyond those the functions pull in.
@@ -96,6 +97,10 @@ const CUDA_TYPES: &[&str] = &[
     "CUevent_wait_flags_enum",
     "CUevent_record_flags_enum",
     "CUmemorytype_enum",
+    "CUlaunchConfig",
+    "CUlaunchAttribute",
+    "CUlaunchAttributeID_enum",
+    "CUlaunchAttributeValue",
 ];
 
 /// Runs the subcommand.

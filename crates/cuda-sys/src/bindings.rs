@@ -87,6 +87,12 @@ pub struct CUgraphExec_st {
     _unused: [u8; 0],
 }
 pub type CUgraphExec = *mut CUgraphExec_st;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct CUgraphDeviceUpdatableNode_st {
+    _unused: [u8; 0],
+}
+pub type CUgraphDeviceNode = *mut CUgraphDeviceUpdatableNode_st;
 impl CUstream_flags_enum {
     pub const CU_STREAM_DEFAULT: CUstream_flags_enum = CUstream_flags_enum(0);
     pub const CU_STREAM_NON_BLOCKING: CUstream_flags_enum = CUstream_flags_enum(1);
@@ -478,6 +484,51 @@ impl CUmemorytype_enum {
 #[repr(transparent)]
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUmemorytype_enum(pub ::std::os::raw::c_uint);
+impl CUaccessProperty_enum {
+    pub const CU_ACCESS_PROPERTY_NORMAL: CUaccessProperty_enum = CUaccessProperty_enum(0);
+    pub const CU_ACCESS_PROPERTY_STREAMING: CUaccessProperty_enum = CUaccessProperty_enum(1);
+    pub const CU_ACCESS_PROPERTY_PERSISTING: CUaccessProperty_enum = CUaccessProperty_enum(2);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUaccessProperty_enum(pub ::std::os::raw::c_uint);
+pub use self::CUaccessProperty_enum as CUaccessProperty;
+#[repr(C)]
+#[derive(Debug, Copy, Clone, PartialEq)]
+pub struct CUaccessPolicyWindow_st {
+    pub base_ptr: *mut ::std::os::raw::c_void,
+    pub num_bytes: usize,
+    pub hitRatio: f32,
+    pub hitProp: CUaccessProperty,
+    pub missProp: CUaccessProperty,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of CUaccessPolicyWindow_st"][::std::mem::size_of::<CUaccessPolicyWindow_st>() - 32usize];
+    ["Alignment of CUaccessPolicyWindow_st"]
+        [::std::mem::align_of::<CUaccessPolicyWindow_st>() - 8usize];
+    ["Offset of field: CUaccessPolicyWindow_st::base_ptr"]
+        [::std::mem::offset_of!(CUaccessPolicyWindow_st, base_ptr) - 0usize];
+    ["Offset of field: CUaccessPolicyWindow_st::num_bytes"]
+        [::std::mem::offset_of!(CUaccessPolicyWindow_st, num_bytes) - 8usize];
+    ["Offset of field: CUaccessPolicyWindow_st::hitRatio"]
+        [::std::mem::offset_of!(CUaccessPolicyWindow_st, hitRatio) - 16usize];
+    ["Offset of field: CUaccessPolicyWindow_st::hitProp"]
+        [::std::mem::offset_of!(CUaccessPolicyWindow_st, hitProp) - 20usize];
+    ["Offset of field: CUaccessPolicyWindow_st::missProp"]
+        [::std::mem::offset_of!(CUaccessPolicyWindow_st, missProp) - 24usize];
+};
+impl Default for CUaccessPolicyWindow_st {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+pub type CUaccessPolicyWindow_v1 = CUaccessPolicyWindow_st;
+pub type CUaccessPolicyWindow = CUaccessPolicyWindow_v1;
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
 pub struct CUgraphEdgeData_st {
@@ -500,6 +551,373 @@ const _: () = {
         [::std::mem::offset_of!(CUgraphEdgeData_st, reserved) - 3usize];
 };
 pub type CUgraphEdgeData = CUgraphEdgeData_st;
+impl CUsynchronizationPolicy_enum {
+    pub const CU_SYNC_POLICY_AUTO: CUsynchronizationPolicy_enum = CUsynchronizationPolicy_enum(1);
+    pub const CU_SYNC_POLICY_SPIN: CUsynchronizationPolicy_enum = CUsynchronizationPolicy_enum(2);
+    pub const CU_SYNC_POLICY_YIELD: CUsynchronizationPolicy_enum = CUsynchronizationPolicy_enum(3);
+    pub const CU_SYNC_POLICY_BLOCKING_SYNC: CUsynchronizationPolicy_enum =
+        CUsynchronizationPolicy_enum(4);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUsynchronizationPolicy_enum(pub ::std::os::raw::c_uint);
+pub use self::CUsynchronizationPolicy_enum as CUsynchronizationPolicy;
+impl CUclusterSchedulingPolicy_enum {
+    pub const CU_CLUSTER_SCHEDULING_POLICY_DEFAULT: CUclusterSchedulingPolicy_enum =
+        CUclusterSchedulingPolicy_enum(0);
+    pub const CU_CLUSTER_SCHEDULING_POLICY_SPREAD: CUclusterSchedulingPolicy_enum =
+        CUclusterSchedulingPolicy_enum(1);
+    pub const CU_CLUSTER_SCHEDULING_POLICY_LOAD_BALANCING: CUclusterSchedulingPolicy_enum =
+        CUclusterSchedulingPolicy_enum(2);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUclusterSchedulingPolicy_enum(pub ::std::os::raw::c_uint);
+pub use self::CUclusterSchedulingPolicy_enum as CUclusterSchedulingPolicy;
+impl CUlaunchMemSyncDomain_enum {
+    pub const CU_LAUNCH_MEM_SYNC_DOMAIN_DEFAULT: CUlaunchMemSyncDomain_enum =
+        CUlaunchMemSyncDomain_enum(0);
+    pub const CU_LAUNCH_MEM_SYNC_DOMAIN_REMOTE: CUlaunchMemSyncDomain_enum =
+        CUlaunchMemSyncDomain_enum(1);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUlaunchMemSyncDomain_enum(pub ::std::os::raw::c_uint);
+pub use self::CUlaunchMemSyncDomain_enum as CUlaunchMemSyncDomain;
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
+pub struct CUlaunchMemSyncDomainMap_st {
+    pub default_: ::std::os::raw::c_uchar,
+    pub remote: ::std::os::raw::c_uchar,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of CUlaunchMemSyncDomainMap_st"]
+        [::std::mem::size_of::<CUlaunchMemSyncDomainMap_st>() - 2usize];
+    ["Alignment of CUlaunchMemSyncDomainMap_st"]
+        [::std::mem::align_of::<CUlaunchMemSyncDomainMap_st>() - 1usize];
+    ["Offset of field: CUlaunchMemSyncDomainMap_st::default_"]
+        [::std::mem::offset_of!(CUlaunchMemSyncDomainMap_st, default_) - 0usize];
+    ["Offset of field: CUlaunchMemSyncDomainMap_st::remote"]
+        [::std::mem::offset_of!(CUlaunchMemSyncDomainMap_st, remote) - 1usize];
+};
+pub type CUlaunchMemSyncDomainMap = CUlaunchMemSyncDomainMap_st;
+impl CUlaunchAttributeID_enum {
+    pub const CU_LAUNCH_ATTRIBUTE_IGNORE: CUlaunchAttributeID_enum = CUlaunchAttributeID_enum(0);
+    pub const CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW: CUlaunchAttributeID_enum =
+        CUlaunchAttributeID_enum(1);
+    pub const CU_LAUNCH_ATTRIBUTE_COOPERATIVE: CUlaunchAttributeID_enum =
+        CUlaunchAttributeID_enum(2);
+    pub const CU_LAUNCH_ATTRIBUTE_SYNCHRONIZATION_POLICY: CUlaunchAttributeID_enum =
+        CUlaunchAttributeID_enum(3);
+    pub const CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: CUlaunchAttributeID_enum =
+        CUlaunchAttributeID_enum(4);
+    pub const CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE: CUlaunchAttributeID_enum =
+        CUlaunchAttributeID_enum(5);
+    pub const CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: CUlaunchAttributeID_enum =
+        CUlaunchAttributeID_enum(6);
+    pub const CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_EVENT: CUlaunchAttributeID_enum =
+        CUlaunchAttributeID_enum(7);
+    pub const CU_LAUNCH_ATTRIBUTE_PRIORITY: CUlaunchAttributeID_enum = CUlaunchAttributeID_enum(8);
+    pub const CU_LAUNCH_ATTRIBUTE_MEM_SYNC_DOMAIN_MAP: CUlaunchAttributeID_enum =
+        CUlaunchAttributeID_enum(9);
+    pub const CU_LAUNCH_ATTRIBUTE_MEM_SYNC_DOMAIN: CUlaunchAttributeID_enum =
+        CUlaunchAttributeID_enum(10);
+    pub const CU_LAUNCH_ATTRIBUTE_PREFERRED_CLUSTER_DIMENSION: CUlaunchAttributeID_enum =
+        CUlaunchAttributeID_enum(11);
+    pub const CU_LAUNCH_ATTRIBUTE_LAUNCH_COMPLETION_EVENT: CUlaunchAttributeID_enum =
+        CUlaunchAttributeID_enum(12);
+    pub const CU_LAUNCH_ATTRIBUTE_DEVICE_UPDATABLE_KERNEL_NODE: CUlaunchAttributeID_enum =
+        CUlaunchAttributeID_enum(13);
+    pub const CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT: CUlaunchAttributeID_enum =
+        CUlaunchAttributeID_enum(14);
+    pub const CU_LAUNCH_ATTRIBUTE_NVLINK_UTIL_CENTRIC_SCHEDULING: CUlaunchAttributeID_enum =
+        CUlaunchAttributeID_enum(16);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUlaunchAttributeID_enum(pub ::std::os::raw::c_uint);
+pub use self::CUlaunchAttributeID_enum as CUlaunchAttributeID;
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub union CUlaunchAttributeValue_union {
+    pub pad: [::std::os::raw::c_char; 64usize],
+    pub accessPolicyWindow: CUaccessPolicyWindow,
+    pub cooperative: ::std::os::raw::c_int,
+    pub syncPolicy: CUsynchronizationPolicy,
+    pub clusterDim: CUlaunchAttributeValue_union__bindgen_ty_1,
+    pub clusterSchedulingPolicyPreference: CUclusterSchedulingPolicy,
+    pub programmaticStreamSerializationAllowed: ::std::os::raw::c_int,
+    pub programmaticEvent: CUlaunchAttributeValue_union__bindgen_ty_2,
+    pub launchCompletionEvent: CUlaunchAttributeValue_union__bindgen_ty_3,
+    pub priority: ::std::os::raw::c_int,
+    pub memSyncDomainMap: CUlaunchMemSyncDomainMap,
+    pub memSyncDomain: CUlaunchMemSyncDomain,
+    pub preferredClusterDim: CUlaunchAttributeValue_union__bindgen_ty_4,
+    pub deviceUpdatableKernelNode: CUlaunchAttributeValue_union__bindgen_ty_5,
+    pub sharedMemCarveout: ::std::os::raw::c_uint,
+    pub nvlinkUtilCentricScheduling: ::std::os::raw::c_uint,
+}
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
+pub struct CUlaunchAttributeValue_union__bindgen_ty_1 {
+    pub x: ::std::os::raw::c_uint,
+    pub y: ::std::os::raw::c_uint,
+    pub z: ::std::os::raw::c_uint,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of CUlaunchAttributeValue_union__bindgen_ty_1"]
+        [::std::mem::size_of::<CUlaunchAttributeValue_union__bindgen_ty_1>() - 12usize];
+    ["Alignment of CUlaunchAttributeValue_union__bindgen_ty_1"]
+        [::std::mem::align_of::<CUlaunchAttributeValue_union__bindgen_ty_1>() - 4usize];
+    ["Offset of field: CUlaunchAttributeValue_union__bindgen_ty_1::x"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union__bindgen_ty_1, x) - 0usize];
+    ["Offset of field: CUlaunchAttributeValue_union__bindgen_ty_1::y"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union__bindgen_ty_1, y) - 4usize];
+    ["Offset of field: CUlaunchAttributeValue_union__bindgen_ty_1::z"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union__bindgen_ty_1, z) - 8usize];
+};
+#[repr(C)]
+#[derive(Debug, Copy, Clone, PartialEq, Eq)]
+pub struct CUlaunchAttributeValue_union__bindgen_ty_2 {
+    pub event: CUevent,
+    pub flags: ::std::os::raw::c_int,
+    pub triggerAtBlockStart: ::std::os::raw::c_int,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of CUlaunchAttributeValue_union__bindgen_ty_2"]
+        [::std::mem::size_of::<CUlaunchAttributeValue_union__bindgen_ty_2>() - 16usize];
+    ["Alignment of CUlaunchAttributeValue_union__bindgen_ty_2"]
+        [::std::mem::align_of::<CUlaunchAttributeValue_union__bindgen_ty_2>() - 8usize];
+    ["Offset of field: CUlaunchAttributeValue_union__bindgen_ty_2::event"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union__bindgen_ty_2, event) - 0usize];
+    ["Offset of field: CUlaunchAttributeValue_union__bindgen_ty_2::flags"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union__bindgen_ty_2, flags) - 8usize];
+    ["Offset of field: CUlaunchAttributeValue_union__bindgen_ty_2::triggerAtBlockStart"][::std::mem::offset_of!(
+        CUlaunchAttributeValue_union__bindgen_ty_2,
+        triggerAtBlockStart
+    )
+        - 12usize];
+};
+impl Default for CUlaunchAttributeValue_union__bindgen_ty_2 {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone, PartialEq, Eq)]
+pub struct CUlaunchAttributeValue_union__bindgen_ty_3 {
+    pub event: CUevent,
+    pub flags: ::std::os::raw::c_int,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of CUlaunchAttributeValue_union__bindgen_ty_3"]
+        [::std::mem::size_of::<CUlaunchAttributeValue_union__bindgen_ty_3>() - 16usize];
+    ["Alignment of CUlaunchAttributeValue_union__bindgen_ty_3"]
+        [::std::mem::align_of::<CUlaunchAttributeValue_union__bindgen_ty_3>() - 8usize];
+    ["Offset of field: CUlaunchAttributeValue_union__bindgen_ty_3::event"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union__bindgen_ty_3, event) - 0usize];
+    ["Offset of field: CUlaunchAttributeValue_union__bindgen_ty_3::flags"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union__bindgen_ty_3, flags) - 8usize];
+};
+impl Default for CUlaunchAttributeValue_union__bindgen_ty_3 {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
+pub struct CUlaunchAttributeValue_union__bindgen_ty_4 {
+    pub x: ::std::os::raw::c_uint,
+    pub y: ::std::os::raw::c_uint,
+    pub z: ::std::os::raw::c_uint,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of CUlaunchAttributeValue_union__bindgen_ty_4"]
+        [::std::mem::size_of::<CUlaunchAttributeValue_union__bindgen_ty_4>() - 12usize];
+    ["Alignment of CUlaunchAttributeValue_union__bindgen_ty_4"]
+        [::std::mem::align_of::<CUlaunchAttributeValue_union__bindgen_ty_4>() - 4usize];
+    ["Offset of field: CUlaunchAttributeValue_union__bindgen_ty_4::x"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union__bindgen_ty_4, x) - 0usize];
+    ["Offset of field: CUlaunchAttributeValue_union__bindgen_ty_4::y"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union__bindgen_ty_4, y) - 4usize];
+    ["Offset of field: CUlaunchAttributeValue_union__bindgen_ty_4::z"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union__bindgen_ty_4, z) - 8usize];
+};
+#[repr(C)]
+#[derive(Debug, Copy, Clone, PartialEq, Eq)]
+pub struct CUlaunchAttributeValue_union__bindgen_ty_5 {
+    pub deviceUpdatable: ::std::os::raw::c_int,
+    pub devNode: CUgraphDeviceNode,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of CUlaunchAttributeValue_union__bindgen_ty_5"]
+        [::std::mem::size_of::<CUlaunchAttributeValue_union__bindgen_ty_5>() - 16usize];
+    ["Alignment of CUlaunchAttributeValue_union__bindgen_ty_5"]
+        [::std::mem::align_of::<CUlaunchAttributeValue_union__bindgen_ty_5>() - 8usize];
+    ["Offset of field: CUlaunchAttributeValue_union__bindgen_ty_5::deviceUpdatable"][::std::mem::offset_of!(
+        CUlaunchAttributeValue_union__bindgen_ty_5,
+        deviceUpdatable
+    ) - 0usize];
+    ["Offset of field: CUlaunchAttributeValue_union__bindgen_ty_5::devNode"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union__bindgen_ty_5, devNode) - 8usize];
+};
+impl Default for CUlaunchAttributeValue_union__bindgen_ty_5 {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of CUlaunchAttributeValue_union"]
+        [::std::mem::size_of::<CUlaunchAttributeValue_union>() - 64usize];
+    ["Alignment of CUlaunchAttributeValue_union"]
+        [::std::mem::align_of::<CUlaunchAttributeValue_union>() - 8usize];
+    ["Offset of field: CUlaunchAttributeValue_union::pad"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union, pad) - 0usize];
+    ["Offset of field: CUlaunchAttributeValue_union::accessPolicyWindow"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union, accessPolicyWindow) - 0usize];
+    ["Offset of field: CUlaunchAttributeValue_union::cooperative"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union, cooperative) - 0usize];
+    ["Offset of field: CUlaunchAttributeValue_union::syncPolicy"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union, syncPolicy) - 0usize];
+    ["Offset of field: CUlaunchAttributeValue_union::clusterDim"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union, clusterDim) - 0usize];
+    ["Offset of field: CUlaunchAttributeValue_union::clusterSchedulingPolicyPreference"][::std::mem::offset_of!(
+        CUlaunchAttributeValue_union,
+        clusterSchedulingPolicyPreference
+    )
+        - 0usize];
+    ["Offset of field: CUlaunchAttributeValue_union::programmaticStreamSerializationAllowed"][::std::mem::offset_of!(
+        CUlaunchAttributeValue_union,
+        programmaticStreamSerializationAllowed
+    )
+        - 0usize];
+    ["Offset of field: CUlaunchAttributeValue_union::programmaticEvent"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union, programmaticEvent) - 0usize];
+    ["Offset of field: CUlaunchAttributeValue_union::launchCompletionEvent"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union, launchCompletionEvent) - 0usize];
+    ["Offset of field: CUlaunchAttributeValue_union::priority"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union, priority) - 0usize];
+    ["Offset of field: CUlaunchAttributeValue_union::memSyncDomainMap"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union, memSyncDomainMap) - 0usize];
+    ["Offset of field: CUlaunchAttributeValue_union::memSyncDomain"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union, memSyncDomain) - 0usize];
+    ["Offset of field: CUlaunchAttributeValue_union::preferredClusterDim"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union, preferredClusterDim) - 0usize];
+    ["Offset of field: CUlaunchAttributeValue_union::deviceUpdatableKernelNode"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union, deviceUpdatableKernelNode) - 0usize];
+    ["Offset of field: CUlaunchAttributeValue_union::sharedMemCarveout"]
+        [::std::mem::offset_of!(CUlaunchAttributeValue_union, sharedMemCarveout) - 0usize];
+    ["Offset of field: CUlaunchAttributeValue_union::nvlinkUtilCentricScheduling"][::std::mem::offset_of!(
+        CUlaunchAttributeValue_union,
+        nvlinkUtilCentricScheduling
+    ) - 0usize];
+};
+impl Default for CUlaunchAttributeValue_union {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+pub type CUlaunchAttributeValue = CUlaunchAttributeValue_union;
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub struct CUlaunchAttribute_st {
+    pub id: CUlaunchAttributeID,
+    pub pad: [::std::os::raw::c_char; 4usize],
+    pub value: CUlaunchAttributeValue,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of CUlaunchAttribute_st"][::std::mem::size_of::<CUlaunchAttribute_st>() - 72usize];
+    ["Alignment of CUlaunchAttribute_st"][::std::mem::align_of::<CUlaunchAttribute_st>() - 8usize];
+    ["Offset of field: CUlaunchAttribute_st::id"]
+        [::std::mem::offset_of!(CUlaunchAttribute_st, id) - 0usize];
+    ["Offset of field: CUlaunchAttribute_st::pad"]
+        [::std::mem::offset_of!(CUlaunchAttribute_st, pad) - 4usize];
+    ["Offset of field: CUlaunchAttribute_st::value"]
+        [::std::mem::offset_of!(CUlaunchAttribute_st, value) - 8usize];
+};
+impl Default for CUlaunchAttribute_st {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+pub type CUlaunchAttribute = CUlaunchAttribute_st;
+#[repr(C)]
+#[derive(Debug, Copy, Clone, PartialEq, Eq)]
+pub struct CUlaunchConfig_st {
+    pub gridDimX: ::std::os::raw::c_uint,
+    pub gridDimY: ::std::os::raw::c_uint,
+    pub gridDimZ: ::std::os::raw::c_uint,
+    pub blockDimX: ::std::os::raw::c_uint,
+    pub blockDimY: ::std::os::raw::c_uint,
+    pub blockDimZ: ::std::os::raw::c_uint,
+    pub sharedMemBytes: ::std::os::raw::c_uint,
+    pub hStream: CUstream,
+    pub attrs: *mut CUlaunchAttribute,
+    pub numAttrs: ::std::os::raw::c_uint,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of CUlaunchConfig_st"][::std::mem::size_of::<CUlaunchConfig_st>() - 56usize];
+    ["Alignment of CUlaunchConfig_st"][::std::mem::align_of::<CUlaunchConfig_st>() - 8usize];
+    ["Offset of field: CUlaunchConfig_st::gridDimX"]
+        [::std::mem::offset_of!(CUlaunchConfig_st, gridDimX) - 0usize];
+    ["Offset of field: CUlaunchConfig_st::gridDimY"]
+        [::std::mem::offset_of!(CUlaunchConfig_st, gridDimY) - 4usize];
+    ["Offset of field: CUlaunchConfig_st::gridDimZ"]
+        [::std::mem::offset_of!(CUlaunchConfig_st, gridDimZ) - 8usize];
+    ["Offset of field: CUlaunchConfig_st::blockDimX"]
+        [::std::mem::offset_of!(CUlaunchConfig_st, blockDimX) - 12usize];
+    ["Offset of field: CUlaunchConfig_st::blockDimY"]
+        [::std::mem::offset_of!(CUlaunchConfig_st, blockDimY) - 16usize];
+    ["Offset of field: CUlaunchConfig_st::blockDimZ"]
+        [::std::mem::offset_of!(CUlaunchConfig_st, blockDimZ) - 20usize];
+    ["Offset of field: CUlaunchConfig_st::sharedMemBytes"]
+        [::std::mem::offset_of!(CUlaunchConfig_st, sharedMemBytes) - 24usize];
+    ["Offset of field: CUlaunchConfig_st::hStream"]
+        [::std::mem::offset_of!(CUlaunchConfig_st, hStream) - 32usize];
+    ["Offset of field: CUlaunchConfig_st::attrs"]
+        [::std::mem::offset_of!(CUlaunchConfig_st, attrs) - 40usize];
+    ["Offset of field: CUlaunchConfig_st::numAttrs"]
+        [::std::mem::offset_of!(CUlaunchConfig_st, numAttrs) - 48usize];
+};
+impl Default for CUlaunchConfig_st {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+pub type CUlaunchConfig = CUlaunchConfig_st;
 impl CUstreamCaptureStatus_enum {
     pub const CU_STREAM_CAPTURE_STATUS_NONE: CUstreamCaptureStatus_enum =
         CUstreamCaptureStatus_enum(0);
@@ -912,6 +1330,15 @@ pub struct CudaLib {
         ) -> CUresult,
         ::libloading::Error,
     >,
+    pub cuLaunchKernelEx: Result<
+        unsafe extern "C" fn(
+            config: *const CUlaunchConfig,
+            f: CUfunction,
+            kernelParams: *mut *mut ::std::os::raw::c_void,
+            extra: *mut *mut ::std::os::raw::c_void,
+        ) -> CUresult,
+        ::libloading::Error,
+    >,
     pub cuGraphInstantiateWithFlags: Result<
         unsafe extern "C" fn(
             phGraphExec: *mut CUgraphExec,
@@ -1010,6 +1437,7 @@ impl CudaLib {
         let cuEventDestroy_v2 = __library.get(b"cuEventDestroy_v2\0").map(|sym| *sym);
         let cuEventElapsedTime_v2 = __library.get(b"cuEventElapsedTime_v2\0").map(|sym| *sym);
         let cuLaunchKernel = __library.get(b"cuLaunchKernel\0").map(|sym| *sym);
+        let cuLaunchKernelEx = __library.get(b"cuLaunchKernelEx\0").map(|sym| *sym);
         let cuGraphInstantiateWithFlags = __library
             .get(b"cuGraphInstantiateWithFlags\0")
             .map(|sym| *sym);
@@ -1072,6 +1500,7 @@ impl CudaLib {
             cuEventDestroy_v2,
             cuEventElapsedTime_v2,
             cuLaunchKernel,
+            cuLaunchKernelEx,
             cuGraphInstantiateWithFlags,
             cuGraphLaunch,
             cuGraphExecDestroy,
@@ -1563,6 +1992,18 @@ impl CudaLib {
             kernelParams,
             extra,
         )
+    }
+    pub unsafe fn cuLaunchKernelEx(
+        &self,
+        config: *const CUlaunchConfig,
+        f: CUfunction,
+        kernelParams: *mut *mut ::std::os::raw::c_void,
+        extra: *mut *mut ::std::os::raw::c_void,
+    ) -> CUresult {
+        (self
+            .cuLaunchKernelEx
+            .as_ref()
+            .expect("Expected function, got error."))(config, f, kernelParams, extra)
     }
     pub unsafe fn cuGraphInstantiateWithFlags(
         &self,
