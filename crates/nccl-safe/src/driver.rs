@@ -10,9 +10,9 @@
 use std::ffi::c_char;
 use std::sync::{Arc, OnceLock};
 
-use cuda_sys::{CUcontext, CUdevice, CUdevice_attribute};
+use cuda_sys::{CUcontext, CUdevice, CUdevice_attribute, CUresult};
 
-use crate::error::{Error, Result, c_string};
+use crate::error::{Error, Result, c_string, cuda_check, cuda_lib};
 
 /// Initialises the driver (`cuInit(0)`) once per process; later calls return
 /// the first outcome.
@@ -106,6 +106,37 @@ pub fn device_info(ordinal: usize) -> Result<DeviceInfo> {
         total_memory: total,
         compute_capability: (major, minor),
     })
+}
+
+/// Whether device `ordinal` can launch thread block clusters
+/// ([`Function::launch_cluster`](crate::Function::launch_cluster)): it
+/// reports `CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH` (compute capability 9.0 and
+/// newer) and the driver exports `cuLaunchKernelEx`. A driver too old for
+/// either (CUDA before 11.8, which answers the attribute with
+/// `CUDA_ERROR_INVALID_VALUE`) gives `false`.
+pub fn supports_cluster_launch(ordinal: usize) -> Result<bool> {
+    let dev = device_handle(ordinal, "supports_cluster_launch")?;
+    let lib = cuda_lib()?;
+    if lib.cuLaunchKernelEx.is_err() {
+        return Ok(false);
+    }
+    let mut v = 0;
+    // SAFETY: writes one int through a valid pointer; `dev` is a device handle.
+    let rc = unsafe {
+        cuda_sys::call!(
+            lib,
+            cuDeviceGetAttribute(
+                &mut v,
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH,
+                dev
+            )
+        )
+    }?;
+    if rc == CUresult::CUDA_ERROR_INVALID_VALUE {
+        return Ok(false);
+    }
+    cuda_check(rc, "cuDeviceGetAttribute")?;
+    Ok(v != 0)
 }
 
 /// The PCI bus id of device `ordinal` (`DDDDDDDD:BB:DD.F`), which names a

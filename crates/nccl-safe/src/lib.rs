@@ -79,14 +79,14 @@ pub use comm::{
 };
 pub use driver::{
     Context, DeviceInfo, can_access_peer, device_count, device_info, driver_version, init,
-    pci_bus_id,
+    pci_bus_id, supports_cluster_launch,
 };
 pub use error::{
     CudaError, Error, NcclCode, NcclError, Result, cuda_check, nccl_async_check, nccl_check,
 };
 pub use group::{Group, group};
 pub use memory::{COPY_DEADLINE, DataType, DeviceBuffer, Element, copy_device_async};
-pub use module::{Function, Module, launch_raw};
+pub use module::{Function, MAX_CLUSTER, Module, launch_raw};
 pub use peer::{
     HostWords, IpcHandle, IpcMapping, enable_peer_access, fill_words, ipc_handle,
     unified_addressing,

@@ -5,11 +5,17 @@
 //!   [`Function`] referring to it is dropped; a [`Function`] keeps its module
 //!   alive.
 //! - Loading makes the module's context current first; so does a launch.
+//! - A cluster launch's dimensions ([`Function::launch_cluster`]) are
+//!   checked before any driver call: a bad one is
+//!   [`Error::InvalidArgument`], a driver without `cuLaunchKernelEx`
+//!   [`Error::Load`].
 
 use std::ffi::{CString, c_void};
 use std::sync::Arc;
 
-use cuda_sys::{CUfunction, CUmodule, CUstream};
+use cuda_sys::{
+    CUfunction, CUlaunchAttribute, CUlaunchAttributeID, CUlaunchConfig, CUmodule, CUstream,
+};
 
 use crate::driver::Context;
 use crate::error::{Error, Result};
@@ -91,6 +97,11 @@ impl Module {
     }
 }
 
+/// The most blocks a cluster of [`Function::launch_cluster`] may have: the
+/// portable cluster size of compute capability 9.0 (a larger one needs a
+/// function attribute this crate does not set).
+pub const MAX_CLUSTER: u32 = 8;
+
 /// A kernel of a loaded module; keeps the module loaded.
 #[derive(Debug, Clone)]
 pub struct Function {
@@ -145,6 +156,96 @@ impl Function {
             )
         }
     }
+
+    /// Launches the kernel with thread block cluster dimensions `(cluster,
+    /// 1, 1)` (`cuLaunchKernelEx` with one attribute,
+    /// `CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION`). `cluster` is 1 to
+    /// [`MAX_CLUSTER`] and divides `grid.0`, else the call is
+    /// [`Error::InvalidArgument`] before any driver call; a driver without
+    /// `cuLaunchKernelEx` (older than CUDA 11.8) gives [`Error::Load`]. A
+    /// device that cannot launch clusters (see
+    /// [`supports_cluster_launch`](crate::driver::supports_cluster_launch))
+    /// refuses it with the driver's error.
+    ///
+    /// # Safety
+    /// As for [`Function::launch`]: `params` holds one pointer per kernel
+    /// parameter, in order, each pointing to a value of the parameter's type
+    /// that stays valid for the call; device pointers among them are valid
+    /// for what the kernel does until the work completes; `stream` is a live
+    /// stream of the module's context (or null).
+    pub unsafe fn launch_cluster(
+        &self,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        cluster: u32,
+        shared_mem: u32,
+        stream: CUstream,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        check_cluster(grid, cluster)?;
+        self.module.ctx.make_current()?;
+        let mut attr = CUlaunchAttribute {
+            id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+            ..Default::default()
+        };
+        attr.value.clusterDim.x = cluster;
+        attr.value.clusterDim.y = 1;
+        attr.value.clusterDim.z = 1;
+        let config = CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block.0,
+            blockDimY: block.1,
+            blockDimZ: block.2,
+            sharedMemBytes: shared_mem,
+            hStream: stream,
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: `config` and its one attribute live across the call; the
+        // function is live (the module is held) and of the current context;
+        // the parameters and stream satisfy this function's contract.
+        unsafe {
+            cu!(cuLaunchKernelEx(
+                &config,
+                self.raw,
+                param_array(params),
+                std::ptr::null_mut(),
+            ))
+        }
+    }
+}
+
+/// Checks a cluster launch's dimensions: `cluster` in 1 to [`MAX_CLUSTER`],
+/// a divisor of `grid.0`.
+fn check_cluster(grid: (u32, u32, u32), cluster: u32) -> Result<()> {
+    const CALL: &str = "Function::launch_cluster";
+    if !(1..=MAX_CLUSTER).contains(&cluster) {
+        return Err(Error::invalid(
+            CALL,
+            format!("cluster size {cluster} is not 1 to {MAX_CLUSTER}"),
+        ));
+    }
+    if !grid.0.is_multiple_of(cluster) {
+        return Err(Error::invalid(
+            CALL,
+            format!(
+                "grid x dimension {} is not a multiple of the cluster size {cluster}",
+                grid.0
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The driver's form of a parameter array: null when there are none.
+fn param_array(params: &mut [*mut c_void]) -> *mut *mut c_void {
+    if params.is_empty() {
+        std::ptr::null_mut()
+    } else {
+        params.as_mut_ptr()
+    }
 }
 
 /// Launches a kernel given as a raw `CUfunction` (one the caller loaded
@@ -166,11 +267,7 @@ pub unsafe fn launch_raw(
     params: &mut [*mut c_void],
 ) -> Result<()> {
     ctx.make_current()?;
-    let args = if params.is_empty() {
-        std::ptr::null_mut()
-    } else {
-        params.as_mut_ptr()
-    };
+    let args = param_array(params);
     // SAFETY: the function, parameters and stream satisfy this function's
     // contract, and the context is current.
     unsafe {
@@ -187,5 +284,39 @@ pub unsafe fn launch_raw(
             args,
             std::ptr::null_mut(),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(grid: (u32, u32, u32), cluster: u32) -> bool {
+        matches!(
+            check_cluster(grid, cluster),
+            Err(Error::InvalidArgument {
+                call: "Function::launch_cluster",
+                ..
+            })
+        )
+    }
+
+    #[test]
+    fn cluster_sizes_outside_one_to_eight_are_refused() {
+        assert!(refused((8, 1, 1), 0));
+        assert!(refused((72, 1, 1), 9));
+        assert!(refused((64, 1, 1), u32::MAX));
+        for c in 1..=MAX_CLUSTER {
+            assert!(check_cluster((c * 3, 2, 1), c).is_ok(), "cluster {c}");
+        }
+    }
+
+    #[test]
+    fn a_grid_not_a_multiple_of_the_cluster_is_refused() {
+        assert!(refused((6, 1, 1), 4));
+        assert!(refused((1, 8, 1), 2));
+        assert!(refused((9, 1, 1), 8));
+        assert!(check_cluster((7, 1, 1), 1).is_ok());
+        assert!(check_cluster((16, 1, 1), 8).is_ok());
     }
 }
