@@ -12,7 +12,11 @@
 //!
 //! Invariants:
 //! - The kernels are compiled with `--ptx -arch=compute_80`: sm_80 is the
-//!   oldest architecture with native bf16.
+//!   oldest architecture with native bf16. One build is for Hopper and
+//!   newer: `one_shot.cu` with `-DOS_CLUSTER` for `compute_90` (its fused
+//!   entries split a row over a thread block cluster) into
+//!   `one_shot_sm90.ptx`, relabelled [`PTX_ISA_SM90`] (7.8, the first ISA
+//!   with sm_90 and clusters) and checked by `ptxas` for sm_90.
 //! - nvcc 12.x/13.x stamp their own, recent, PTX ISA on the `.version` line,
 //!   which would make the driver that JIT-compiles the PTX at least as new
 //!   as the compiler. The output is therefore relabelled [`PTX_ISA`] (7.0,
@@ -39,6 +43,32 @@ const ARCH: &str = "compute_80";
 /// The real architecture `ptxas` checks the relabelled PTX against.
 const CHECK_ARCH: &str = "sm_80";
 
+/// The PTX ISA of the Hopper build (7.8: sm_90, clusters).
+const PTX_ISA_SM90: &str = "7.8";
+
+/// One build: the source, the committed PTX, the virtual architecture, the
+/// ISA written on the `.version` line, the architecture `ptxas` checks
+/// against and the macros defined.
+struct Build {
+    src: &'static str,
+    dst: &'static str,
+    arch: &'static str,
+    isa: &'static str,
+    check_arch: &'static str,
+    defines: &'static [&'static str],
+}
+
+const fn build(src: &'static str, dst: &'static str) -> Build {
+    Build {
+        src,
+        dst,
+        arch: ARCH,
+        isa: PTX_ISA,
+        check_arch: CHECK_ARCH,
+        defines: &[],
+    }
+}
+
 /// The pinned CUDA 13.0 compiler wheels, with a file each must provide
 /// (relative to the unpacked `nvidia/cu13/` tree).
 const WHEELS: &[(&str, &str)] = &[
@@ -52,17 +82,25 @@ const WHEELS: &[(&str, &str)] = &[
 /// The kernels' ABI header, generated from `crates/kernel-abi`.
 const ABI_HEADER: &str = "crates/metrale-comm/kernels/abi.h";
 
-/// The kernels: source and committed PTX, relative to the workspace root.
-const KERNELS: &[(&str, &str)] = &[
-    (
+/// The kernels' builds, paths relative to the workspace root.
+const KERNELS: &[Build] = &[
+    build(
         "crates/metrale-comm/kernels/bf16_add.cu",
         "crates/metrale-comm/kernels/bf16_add.ptx",
     ),
-    (
+    build(
         "crates/metrale-comm/kernels/one_shot.cu",
         "crates/metrale-comm/kernels/one_shot.ptx",
     ),
-    (
+    Build {
+        src: "crates/metrale-comm/kernels/one_shot.cu",
+        dst: "crates/metrale-comm/kernels/one_shot_sm90.ptx",
+        arch: "compute_90",
+        isa: PTX_ISA_SM90,
+        check_arch: "sm_90",
+        defines: &["OS_CLUSTER"],
+    },
+    build(
         "crates/metrale-comm/kernels/add_rms_norm.cu",
         "crates/metrale-comm/kernels/add_rms_norm.ptx",
     ),
@@ -89,10 +127,10 @@ pub fn run(args: &[String]) -> Result<i32> {
     {
         stale.push(ABI_HEADER);
     }
-    for (src, dst) in KERNELS {
-        let text = compile(&nvcc, &root.join(src), &out_dir)?;
-        if crate::update_generated("ptx", &root, dst, &text, check)? && check {
-            stale.push(*dst);
+    for b in KERNELS {
+        let text = compile(&nvcc, &root, b, &out_dir)?;
+        if crate::update_generated("ptx", &root, b.dst, &text, check)? && check {
+            stale.push(b.dst);
         }
     }
     if !stale.is_empty() {
@@ -109,39 +147,43 @@ pub fn run(args: &[String]) -> Result<i32> {
     Ok(0)
 }
 
-/// Compiles `src` to PTX, relabels its ISA and checks it with ptxas.
-fn compile(nvcc: &Path, src: &Path, out_dir: &Path) -> Result<String> {
-    let stem = src
+/// Compiles one build to PTX, relabels its ISA and checks it with ptxas.
+fn compile(nvcc: &Path, root: &Path, b: &Build, out_dir: &Path) -> Result<String> {
+    let src = root.join(b.src);
+    let stem = Path::new(b.dst)
         .file_stem()
         .and_then(|s| s.to_str())
-        .context("kernel source without a name")?;
+        .context("kernel output without a name")?;
     let raw = out_dir.join(format!("{stem}.nvcc.ptx"));
     let status = Command::new(nvcc)
-        .args(["--ptx", &format!("-arch={ARCH}"), "-o"])
+        .args(["--ptx", &format!("-arch={}", b.arch)])
+        .args(b.defines.iter().map(|d| format!("-D{d}")))
+        .arg("-o")
         .arg(&raw)
-        .arg(src)
+        .arg(&src)
         .status()
         .with_context(|| format!("running {}", nvcc.display()))?;
     if !status.success() {
         bail!("nvcc failed on {}", src.display());
     }
     let text = std::fs::read_to_string(&raw)?;
-    let text = relabel(&text, PTX_ISA)?;
+    let text = relabel(&text, b.isa, b.check_arch)?;
     let relabelled = out_dir.join(format!("{stem}.ptx"));
     std::fs::write(&relabelled, &text)?;
     let ptxas = nvcc.with_file_name("ptxas");
     let status = Command::new(&ptxas)
-        .args([&format!("-arch={CHECK_ARCH}"), "-o"])
+        .args([&format!("-arch={}", b.check_arch), "-o"])
         .arg(out_dir.join(format!("{stem}.cubin")))
         .arg(&relabelled)
         .status()
         .with_context(|| format!("running {}", ptxas.display()))?;
     if !status.success() {
         bail!(
-            "ptxas rejects {} as PTX ISA {PTX_ISA}: the kernel uses an instruction \
+            "ptxas rejects {} as PTX ISA {}: the kernel uses an instruction \
              that needs a newer ISA (and a newer driver); change the kernel or \
-             PTX_ISA in xtask/src/ptx.rs",
-            relabelled.display()
+             the build's ISA in xtask/src/ptx.rs",
+            relabelled.display(),
+            b.isa
         );
     }
     Ok(text)
@@ -149,7 +191,7 @@ fn compile(nvcc: &Path, src: &Path, out_dir: &Path) -> Result<String> {
 
 /// Rewrites the `.version` line of `ptx` to `isa`, and notes the change in a
 /// comment above it. Fails when nvcc's ISA is older than `isa` or missing.
-fn relabel(ptx: &str, isa: &str) -> Result<String> {
+fn relabel(ptx: &str, isa: &str, check_arch: &str) -> Result<String> {
     let mut out = String::with_capacity(ptx.len() + 128);
     let mut found = false;
     for line in ptx.lines() {
@@ -165,7 +207,7 @@ fn relabel(ptx: &str, isa: &str) -> Result<String> {
             if v != isa {
                 out.push_str(&format!(
                     "// .version relabelled from {v} to {isa} by `cargo xtask ptx`; \
-                     checked with ptxas -arch={CHECK_ARCH}\n"
+                     checked with ptxas -arch={check_arch}\n"
                 ));
             }
             out.push_str(&format!(".version {isa}\n"));
@@ -305,21 +347,24 @@ mod tests {
     #[test]
     fn relabel_rewrites_the_version_line_only() {
         let ptx = "//\n// Generated\n//\n\n.version 9.0\n.target sm_80\n";
-        let out = relabel(ptx, "7.0").unwrap();
+        let out = relabel(ptx, "7.0", "sm_80").unwrap();
         assert_eq!(
             out,
             "//\n// Generated\n//\n\n// .version relabelled from 9.0 to 7.0 by \
              `cargo xtask ptx`; checked with ptxas -arch=sm_80\n.version 7.0\n.target sm_80\n"
         );
-        assert_eq!(relabel(".version 7.0\n", "7.0").unwrap(), ".version 7.0\n");
+        assert_eq!(
+            relabel(".version 7.0\n", "7.0", "sm_80").unwrap(),
+            ".version 7.0\n"
+        );
     }
 
     #[test]
     fn relabel_refuses_odd_input() {
-        assert!(relabel(".target sm_80\n", "7.0").is_err());
-        assert!(relabel(".version 6.5\n", "7.0").is_err());
-        assert!(relabel(".version 9.0\n.version 9.0\n", "7.0").is_err());
-        assert!(relabel(".version nine\n", "7.0").is_err());
+        assert!(relabel(".target sm_80\n", "7.0", "sm_80").is_err());
+        assert!(relabel(".version 6.5\n", "7.0", "sm_80").is_err());
+        assert!(relabel(".version 9.0\n.version 9.0\n", "7.0", "sm_80").is_err());
+        assert!(relabel(".version nine\n", "7.0", "sm_80").is_err());
     }
 
     #[test]

@@ -16,6 +16,8 @@
 #define NORM_MAX_HIDDEN 65536u
 // Most threads a block (__launch_bounds__).
 #define NORM_BLOCK 512
+// Most blocks a cluster of the fused cluster entries.
+#define NORM_MAX_CLUSTER 8u
 
 // The one-shot all-reduce (one_shot.cu).
 // Most threads a block (__launch_bounds__).
@@ -99,4 +101,4 @@ static_assert(__builtin_offsetof(OsCtrl, pad) == 132, "OsCtrl::pad's offset");
 
 // The hash of every definition above; each kernel module exports it
 // as the global `metrale_kernel_abi`.
-#define METRALE_KERNEL_ABI 0x0628b66470084d99ull
+#define METRALE_KERNEL_ABI 0x5b77cd01bf32d4d5ull

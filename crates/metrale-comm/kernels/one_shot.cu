@@ -633,12 +633,26 @@ __device__ __forceinline__ void os_one_shot(OsCtrl* ctrl, typename E::Bits* data
 
 // The fused entries: the one-shot all-reduce of x, then the residual add +
 // RMSNorm (norm.cuh) on the sums while they are in registers:
-// residual <- sum + residual, x <- rms_norm(residual) * weight. Rows are
-// the blocks' (row b, b + gridDim.x, ...), a row's 16-byte units the
-// threads' (unit j of a row: t, t + blockDim.x, ...), and a row's unit j
-// is unit row * units_row + j of the call, so the slots, the push and the
-// sums are the plain kernel's (bit for bit) and the norm is
-// add_rms_norm.cu's (the same chunks, threads and tree).
+// residual <- sum + residual, x <- rms_norm(residual) * weight. A row's
+// 16-byte units are split over the row's threads (unit j of a row: t,
+// t + T, ... for thread t of T), and a row's unit j is unit
+// row * units_row + j of the call, so the slots, the push and the sums are
+// the plain kernel's (bit for bit) and the norm is add_rms_norm.cu's (the
+// same chunks, threads and tree).
+//
+// Two builds of the same code (OsSplit):
+// - {bf16,f16,f32}_one_shot_add_rms_norm (one_shot.ptx, compute_80): a
+//   row is a block's: T = blockDim.x, rows b, b + gridDim.x, ... of block b;
+//   the squares are summed over the block (norm_block_sum).
+// - {bf16,f16,f32}_one_shot_add_rms_norm_cluster (one_shot_sm90.ptx, this
+//   file with OS_CLUSTER, compute_90): a row is a thread block cluster's,
+//   its c blocks' threads in block rank order (T = c * blockDim.x, thread
+//   rank * blockDim.x + threadIdx.x), rows k, k + (clusters), ... of
+//   cluster k; each warp's butterfly sum goes into every block's shared
+//   memory (distributed shared memory), and after one cluster barrier every
+//   warp adds the T / 32 warp sums by the same butterfly: the same tree, so
+//   the same bits, as one block of T threads. A row's units spread over c
+//   SMs instead of one.
 //
 // Launch contract (refused with the bad-launch status otherwise):
 //   params: ctrl, lane as the plain entries; x: rows * hidden values, read
@@ -647,27 +661,155 @@ __device__ __forceinline__ void os_one_shot(OsCtrl* ctrl, typename E::Bits* data
 //           hidden: 1 to NORM_MAX_HIDDEN, hidden * size a multiple of 16;
 //           rows >= 1, rows * hidden * size <= ctrl->slot_bytes; eps.
 //   x, residual and weight 16-byte aligned.
-//   block: norm_threads(hidden, size) threads (a multiple of 32, at most
-//          NORM_BLOCK); grid: at most 32 blocks (the host's
-//          min(rows, 32)); any grid is correct. At most 64 registers a
-//          thread (OS_MIN_BLOCKS), as the plain entries: 8 ranks' calls
-//          simulated on one GPU must all be resident at once.
+//   block: T = norm_threads(hidden, size) threads a row (a multiple of 32,
+//          at most NORM_BLOCK): blockDim.x = T, or for the cluster entries
+//          blockDim.x = T / c (a multiple of 32) in clusters of (c, 1, 1),
+//          c at most NORM_MAX_CLUSTER; grid: at most 32 blocks (the host's
+//          min(rows, 32), in clusters: as many blocks in all); any grid is
+//          correct. At most 64 registers a thread (OS_MIN_BLOCKS), as the
+//          plain entries: 8 ranks' calls simulated on one GPU must all be
+//          resident at once.
+
+#ifdef OS_CLUSTER
+__device__ __forceinline__ unsigned int os_cta_rank()
+{
+    unsigned int r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ unsigned int os_cta_count()
+{
+    unsigned int r;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ unsigned int os_cluster_id()
+{
+    unsigned int r;
+    asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ unsigned int os_clusters()
+{
+    unsigned int r;
+    asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
+    return r;
+}
+
+// The address of `p` (in this block's shared memory) in the shared memory
+// of block `rank` of the cluster.
+__device__ __forceinline__ unsigned int os_map(const void* p, unsigned int rank)
+{
+    const unsigned int a = (unsigned int)__cvta_generic_to_shared(p);
+    unsigned int d;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(rank));
+    return d;
+}
+
+// Every thread of every block of the cluster arrives (its shared-memory
+// writes released) and waits for all (theirs acquired).
+__device__ __forceinline__ void os_cluster_sync()
+{
+    asm volatile("barrier.cluster.arrive;\n\tbarrier.cluster.wait;" ::: "memory");
+}
+
+// The row's sum of `v` over the cluster's T threads, in every thread, by
+// norm_block_sum's tree, and in `stop` whether any thread's `ok` was
+// false. Called by every thread of every block of the cluster, once a row;
+// `par` alternates between a block's consecutive rows: a block writes
+// buffer p for row i into another block's memory after the barrier of row
+// i - 1, which that block reached after reading buffer p for row i - 2, so
+// one barrier a row suffices; and after a block's last barrier no other
+// block touches its memory, so it may exit.
+__device__ __forceinline__ float os_cluster_sum(float v, bool ok, unsigned int par, bool& stop)
+{
+    __shared__ float s_sum[2][NORM_BLOCK / 32];
+    __shared__ unsigned int s_stop[2][NORM_BLOCK / 32];
+    v = norm_warp_sum(v);
+    const unsigned int any = __any_sync(0xFFFFFFFFu, ok ? 0 : 1);
+    const unsigned int lane = threadIdx.x & 31u;
+    const unsigned int c = os_cta_count();
+    const unsigned int w = os_cta_rank() * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    // Every lane holds the warp's sum; lane r writes it into block r.
+    if (lane < c) {
+        asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(os_map(&s_sum[par][w], lane)), "f"(v)
+                     : "memory");
+        asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(os_map(&s_stop[par][w], lane)),
+                     "r"(any)
+                     : "memory");
+    }
+    os_cluster_sync();
+    const unsigned int warps = (c * blockDim.x) >> 5;
+    stop = __any_sync(0xFFFFFFFFu, lane < warps && s_stop[par][lane] != 0u) != 0;
+    const float t = lane < warps ? s_sum[par][lane] : 0.0f;
+    return norm_warp_sum(t);
+}
+#endif
+
+// Where a thread's part of the call lies: its index among a row's
+// threads (t), their count (n), the first of its block's (cluster's) rows
+// and the step to the next; read from the special registers where used,
+// so they hold no register across the call.
+template <bool CL>
+struct OsSplit {
+    static __device__ __forceinline__ unsigned int t() { return threadIdx.x; }
+    static __device__ __forceinline__ unsigned int n() { return blockDim.x; }
+    static __device__ __forceinline__ unsigned int first() { return blockIdx.x; }
+    static __device__ __forceinline__ unsigned int step() { return gridDim.x; }
+};
+
+#ifdef OS_CLUSTER
+template <>
+struct OsSplit<true> {
+    static __device__ __forceinline__ unsigned int t()
+    {
+        return os_cta_rank() * blockDim.x + threadIdx.x;
+    }
+    static __device__ __forceinline__ unsigned int n() { return os_cta_count() * blockDim.x; }
+    static __device__ __forceinline__ unsigned int first() { return os_cluster_id(); }
+    static __device__ __forceinline__ unsigned int step() { return os_clusters(); }
+};
+#endif
+
+// The row's sum of squares over its threads (`it`: the row's index among
+// the block's or cluster's rows); false when a thread's `ok` was false (the
+// call stopped). Every thread of the row calls it.
+template <bool CL>
+__device__ __forceinline__ bool os_row_sum(float acc, bool ok, unsigned int it, float& ss)
+{
+    if constexpr (CL) {
+#ifdef OS_CLUSTER
+        bool stop;
+        ss = os_cluster_sum(acc, ok, it & 1u, stop);
+        return !stop;
+#else
+        return false;
+#endif
+    } else {
+        ss = norm_block_sum(acc);
+        return !__syncthreads_or(ok ? 0 : 1);
+    }
+}
 
 // One row: waits, sums, clears (os_sum), adds the residual, reduces the
-// squares over the block, scales. Every thread of the block calls it and
-// gets the same answer (false: the call stopped).
-template <class E, class N, int MP, int G>
-__device__ __forceinline__ bool os_fused_row(const OsCall& c, typename E::Bits* x,
-                                             typename E::Bits* res,
+// squares over the row's threads, scales. Every thread of the row calls it
+// and gets the same answer (false: the call stopped).
+template <class E, class N, int MP, int G, bool CL>
+__device__ __forceinline__ bool os_fused_row(const OsCall& c,
+                                             typename E::Bits* x, typename E::Bits* res,
                                              const typename E::Bits* weight, unsigned int row,
-                                             unsigned int units_row, unsigned int hidden,
-                                             float eps)
+                                             unsigned int it, unsigned int units_row,
+                                             unsigned int hidden, float eps)
 {
+    typedef OsSplit<CL> S;
     typename E::Bits* xr = x + (unsigned long long)row * hidden;
     typename E::Bits* rr = res + (unsigned long long)row * hidden;
     float acc = 0.0f;
     bool ok = true;
-    for (unsigned int j = threadIdx.x; ok && j < units_row; j += blockDim.x) {
+    for (unsigned int j = S::t(); ok && j < units_row; j += S::n()) {
         const unsigned int u = row * units_row + j;
         uint4 v[G];
         os_issue<G>(c, u, 0, v);
@@ -679,12 +821,12 @@ __device__ __forceinline__ bool os_fused_row(const OsCall& c, typename E::Bits* 
             *at = norm_add<N>(sum, *at, acc);
         }
     }
-    const float ss = norm_block_sum(acc);
-    if (__syncthreads_or(ok ? 0 : 1)) {
+    float ss;
+    if (!os_row_sum<CL>(acc, ok, it, ss)) {
         return false;
     }
     const float inv = norm_inv(ss, hidden, eps);
-    for (unsigned int j = threadIdx.x; j < units_row; j += blockDim.x) {
+    for (unsigned int j = S::t(); j < units_row; j += S::n()) {
         const uint4 r = *reinterpret_cast<const uint4*>(rr + j * E::PER);
         const uint4 w = *reinterpret_cast<const uint4*>(weight + j * E::PER);
         *reinterpret_cast<uint4*>(xr + j * E::PER) = norm_scale<N>(r, w, inv);
@@ -694,26 +836,28 @@ __device__ __forceinline__ bool os_fused_row(const OsCall& c, typename E::Bits* 
 
 // The units of a row a thread holds in registers from its sum to its
 // scaling (bf16 and f16 rows up to 8,192 values, f32 up to 4,096, at
-// NORM_BLOCK threads), in worlds of 2 ranks; a longer row, or a larger
-// world, takes os_fused_row. At 3-8 ranks the wider waits' loads beside
-// the held units pass the 64 registers a thread (OS_MIN_BLOCKS) and
-// spill: that build was up to 15 % slower at 8 simulated ranks (one
-// H100, norm_local), where at 2 ranks this path is 0-9 % faster.
+// NORM_BLOCK threads a row), in worlds of 2 ranks; a longer row, or a
+// larger world, takes os_fused_row. At 3-8 ranks the wider waits' loads
+// beside the held units pass the 64 registers a thread (OS_MIN_BLOCKS) and
+// spill: that build was up to 15 % slower at 8 simulated ranks (one H100,
+// norm_local), where at 2 ranks this path is 0-9 % faster.
 constexpr unsigned int OS_ROW_REGS = 2u;
 static_assert(OS_ROW_REGS == 2u, "os_fused's push names the registers xv[0] and xv[1]");
 
 // os_fused_row for a row of at most OS_ROW_REGS units a thread: the
 // residual's and the weight's units are loaded beside the peers' (one
-// round trip, not one after the sum and one after the block's sum), and
+// round trip, not one after the sum and one after the row's sum), and
 // the new residual stays in registers for the scaling. The arithmetic
 // and its order are os_fused_row's.
-template <class E, class N, int MP, int G>
-__device__ __forceinline__ bool os_fused_row_regs(const OsCall& c, typename E::Bits* x,
-                                                  typename E::Bits* res,
+template <class E, class N, int MP, int G, bool CL>
+__device__ __forceinline__ bool os_fused_row_regs(const OsCall& c,
+                                                  typename E::Bits* x, typename E::Bits* res,
                                                   const typename E::Bits* weight,
-                                                  unsigned int row, unsigned int units_row,
-                                                  unsigned int hidden, float eps)
+                                                  unsigned int row, unsigned int it,
+                                                  unsigned int units_row, unsigned int hidden,
+                                                  float eps)
 {
+    typedef OsSplit<CL> S;
     typename E::Bits* xr = x + (unsigned long long)row * hidden;
     typename E::Bits* rr = res + (unsigned long long)row * hidden;
     float acc = 0.0f;
@@ -722,7 +866,7 @@ __device__ __forceinline__ bool os_fused_row_regs(const OsCall& c, typename E::B
     uint4 wv[OS_ROW_REGS];
 #pragma unroll
     for (unsigned int k = 0; k < OS_ROW_REGS; ++k) {
-        const unsigned int j = threadIdx.x + k * blockDim.x;
+        const unsigned int j = S::t() + k * S::n();
         r[k] = make_uint4(0u, 0u, 0u, 0u);
         wv[k] = r[k];
         if (ok && j < units_row) {
@@ -740,14 +884,14 @@ __device__ __forceinline__ bool os_fused_row_regs(const OsCall& c, typename E::B
             }
         }
     }
-    const float ss = norm_block_sum(acc);
-    if (__syncthreads_or(ok ? 0 : 1)) {
+    float ss;
+    if (!os_row_sum<CL>(acc, ok, it, ss)) {
         return false;
     }
     const float inv = norm_inv(ss, hidden, eps);
 #pragma unroll
     for (unsigned int k = 0; k < OS_ROW_REGS; ++k) {
-        const unsigned int j = threadIdx.x + k * blockDim.x;
+        const unsigned int j = S::t() + k * S::n();
         if (j < units_row) {
             *reinterpret_cast<uint4*>(xr + j * E::PER) = norm_scale<N>(r[k], wv[k], inv);
         }
@@ -755,7 +899,7 @@ __device__ __forceinline__ bool os_fused_row_regs(const OsCall& c, typename E::B
     return true;
 }
 
-template <class E, class N>
+template <class E, class N, bool CL>
 __device__ __forceinline__ void os_fused(OsCtrl* ctrl, typename E::Bits* x, typename E::Bits* res,
                                          const typename E::Bits* weight,
                                          unsigned long long hidden64, unsigned long long rows64,
@@ -766,6 +910,7 @@ __device__ __forceinline__ void os_fused(OsCtrl* ctrl, typename E::Bits* x, type
     __shared__ unsigned long long s_peer[OS_MAX_RANKS];
     __shared__ unsigned long long s_t0;
 
+    typedef OsSplit<CL> S;
     OsCall c;
     c.ctrl = ctrl;
     c.t0 = &s_t0;
@@ -793,11 +938,10 @@ __device__ __forceinline__ void os_fused(OsCtrl* ctrl, typename E::Bits* x, type
     c.n = hidden * rows;
     c.aligned = true;
     const unsigned int units_row = (unsigned int)(hidden * size / 16ull);
-    // The units of the block's first row that a thread pushes are loaded
-    // beside the claim, as the plain kernel's first unit is (they need
-    // nothing of the control block); only the launch's own parameters
-    // decide them (a shape or alignment the launch contract refuses loads
-    // nothing).
+    // The units of the first row that a thread pushes are loaded beside
+    // the claim, as the plain kernel's first unit is (they need nothing of
+    // the control block); only the launch's own parameters decide them (a
+    // shape or alignment the launch contract refuses loads nothing).
     const bool params_ok = hidden64 != 0ull && hidden64 <= NORM_MAX_HIDDEN && rows64 != 0ull &&
                            rows64 <= OS_MAX_SLOT && ((hidden64 * size) & 15ull) == 0ull &&
                            (blockDim.x & 31u) == 0u &&
@@ -805,20 +949,20 @@ __device__ __forceinline__ void os_fused(OsCtrl* ctrl, typename E::Bits* x, type
                              reinterpret_cast<unsigned long long>(res) |
                              reinterpret_cast<unsigned long long>(weight)) & 15ull) == 0ull;
     const unsigned int units_p = params_ok ? (unsigned int)(hidden64 * size / 16ull) : 0u;
-    const bool regs = units_p != 0u && units_p <= OS_ROW_REGS * blockDim.x;
+    const bool regs = units_p != 0u && units_p <= OS_ROW_REGS * S::n();
     uint4 xv[OS_ROW_REGS];
 #pragma unroll
     for (unsigned int k = 0; k < OS_ROW_REGS; ++k) {
-        const unsigned int j = threadIdx.x + k * blockDim.x;
+        const unsigned int j = S::t() + k * S::n();
         xv[k] = make_uint4(0u, 0u, 0u, 0u);
-        if (j < units_p && blockIdx.x < rows64) {
+        if (j < units_p && S::first() < rows64) {
             xv[k] = *reinterpret_cast<const uint4*>(
-                x + ((unsigned long long)blockIdx.x * units_p + j) * E::PER);
+                x + ((unsigned long long)S::first() * units_p + j) * E::PER);
         }
     }
     const bool bad = !shape_ok || lane >= OS_LANES || c.world < 2u || c.world > OS_MAX_RANKS ||
                      c.rank >= c.world || slot > OS_MAX_SLOT || (slot & 15ull) != 0ull ||
-                     (blockDim.x & 31u) != 0u ||
+                     (blockDim.x & 31u) != 0u || (CL && S::n() > NORM_BLOCK) ||
                      ((reinterpret_cast<unsigned long long>(x) |
                        reinterpret_cast<unsigned long long>(res) |
                        reinterpret_cast<unsigned long long>(weight)) & 15ull) != 0ull;
@@ -841,6 +985,17 @@ __device__ __forceinline__ void os_fused(OsCtrl* ctrl, typename E::Bits* x, type
     }
     __syncthreads();
     if (s_go == 0u) {
+        // A cluster's blocks decide `go` each for itself (`bad` alike, the
+        // rest from their own reads): a block that does not go still takes
+        // its cluster's first barrier, saying stop, so that no block of
+        // the cluster waits at a barrier for it (the others' waits end at
+        // the status it found or recorded).
+        if constexpr (CL) {
+            if (!bad && S::first() < rows) {
+                float ss;
+                os_row_sum<CL>(0.0f, false, 0u, ss);
+            }
+        }
         return;
     }
 
@@ -848,15 +1003,16 @@ __device__ __forceinline__ void os_fused(OsCtrl* ctrl, typename E::Bits* x, type
     const unsigned int region = (lane * OS_HALVES + half) * c.world * c.slot;
     c.mine = s_peer[c.rank] + region;
 
-    // 1. Push this block's rows into slot `rank` of every peer (the first
-    // row's units a thread loaded beside the claim, OS_ROW_REGS of them).
+    // 1. Push this block's (cluster's) rows into slot `rank` of every peer
+    // (the first row's units a thread loaded beside the claim, OS_ROW_REGS
+    // of them).
     const unsigned int out = region + c.rank * c.slot;
-    for (unsigned int row = blockIdx.x; row < rows; row += gridDim.x) {
-        for (unsigned int j = threadIdx.x; j < units_row; j += blockDim.x) {
+    for (unsigned int row = S::first(); row < rows; row += S::step()) {
+        for (unsigned int j = S::t(); j < units_row; j += S::n()) {
             const unsigned int u = row * units_row + j;
-            const unsigned int k = (j - threadIdx.x) / blockDim.x;
+            const unsigned int k = (j - S::t()) / S::n();
             const uint4 a = os_canon(
-                row == blockIdx.x && k < OS_ROW_REGS
+                row == S::first() && k < OS_ROW_REGS
                     ? (k == 0u ? xv[0] : xv[1])
                     : *reinterpret_cast<const uint4*>(x + (unsigned long long)u * E::PER));
             for (unsigned int p = 0; p < c.world; ++p) {
@@ -872,25 +1028,30 @@ __device__ __forceinline__ void os_fused(OsCtrl* ctrl, typename E::Bits* x, type
     // on the GPU; folding the first one's worlds into the second changes
     // the PTX.)
     bool ok = true;
-    for (unsigned int row = blockIdx.x; ok && row < rows; row += gridDim.x) {
+    unsigned int it = 0u;
+    for (unsigned int row = S::first(); ok && row < rows; row += S::step(), ++it) {
         if (regs) {
             if (c.world == 2u) {
-                ok = os_fused_row_regs<E, N, 1, 1>(c, x, res, weight, row, units_row, hidden, eps);
+                ok = os_fused_row_regs<E, N, 1, 1, CL>(c, x, res, weight, row, it, units_row,
+                                                       hidden, eps);
             } else if (c.world <= 4u) {
-                ok = os_fused_row<E, N, 3, 3>(c, x, res, weight, row, units_row, hidden, eps);
+                ok = os_fused_row<E, N, 3, 3, CL>(c, x, res, weight, row, it, units_row, hidden,
+                                                  eps);
             } else {
-                ok = os_fused_row<E, N, 7, 4>(c, x, res, weight, row, units_row, hidden, eps);
+                ok = os_fused_row<E, N, 7, 4, CL>(c, x, res, weight, row, it, units_row, hidden,
+                                                  eps);
             }
         } else if (c.world == 2u) {
-            ok = os_fused_row<E, N, 1, 1>(c, x, res, weight, row, units_row, hidden, eps);
+            ok = os_fused_row<E, N, 1, 1, CL>(c, x, res, weight, row, it, units_row, hidden, eps);
         } else if (c.world <= 4u) {
-            ok = os_fused_row<E, N, 3, 3>(c, x, res, weight, row, units_row, hidden, eps);
+            ok = os_fused_row<E, N, 3, 3, CL>(c, x, res, weight, row, it, units_row, hidden, eps);
         } else {
-            ok = os_fused_row<E, N, 7, 4>(c, x, res, weight, row, units_row, hidden, eps);
+            ok = os_fused_row<E, N, 7, 4, CL>(c, x, res, weight, row, it, units_row, hidden, eps);
         }
     }
 
-    // 4. As the plain kernel: the last block frees the lane.
+    // 4. As the plain kernel: the last block frees the lane. (In a
+    // cluster `ok` is the cluster's: every block stopped at the same row.)
     if (__syncthreads_or(ok ? 0 : 1)) {
         return;
     }
@@ -909,12 +1070,37 @@ __device__ __forceinline__ void os_fused(OsCtrl* ctrl, typename E::Bits* x, type
     }
 }
 
+#ifdef OS_CLUSTER
+extern "C" __global__ void __launch_bounds__(NORM_BLOCK, OS_MIN_BLOCKS)
+bf16_one_shot_add_rms_norm_cluster(OsCtrl* ctrl, unsigned short* x, unsigned short* residual,
+                                   const unsigned short* weight, unsigned long long hidden,
+                                   unsigned long long rows, float eps, unsigned int lane)
+{
+    os_fused<OsBf16, NormBf16, true>(ctrl, x, residual, weight, hidden, rows, eps, lane);
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_BLOCK, OS_MIN_BLOCKS)
+f16_one_shot_add_rms_norm_cluster(OsCtrl* ctrl, unsigned short* x, unsigned short* residual,
+                                  const unsigned short* weight, unsigned long long hidden,
+                                  unsigned long long rows, float eps, unsigned int lane)
+{
+    os_fused<OsF16, NormF16, true>(ctrl, x, residual, weight, hidden, rows, eps, lane);
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_BLOCK, OS_MIN_BLOCKS)
+f32_one_shot_add_rms_norm_cluster(OsCtrl* ctrl, unsigned int* x, unsigned int* residual,
+                                  const unsigned int* weight, unsigned long long hidden,
+                                  unsigned long long rows, float eps, unsigned int lane)
+{
+    os_fused<OsF32, NormF32, true>(ctrl, x, residual, weight, hidden, rows, eps, lane);
+}
+#else
 extern "C" __global__ void __launch_bounds__(NORM_BLOCK, OS_MIN_BLOCKS)
 bf16_one_shot_add_rms_norm(OsCtrl* ctrl, unsigned short* x, unsigned short* residual,
                            const unsigned short* weight, unsigned long long hidden,
                            unsigned long long rows, float eps, unsigned int lane)
 {
-    os_fused<OsBf16, NormBf16>(ctrl, x, residual, weight, hidden, rows, eps, lane);
+    os_fused<OsBf16, NormBf16, false>(ctrl, x, residual, weight, hidden, rows, eps, lane);
 }
 
 extern "C" __global__ void __launch_bounds__(NORM_BLOCK, OS_MIN_BLOCKS)
@@ -922,7 +1108,7 @@ f16_one_shot_add_rms_norm(OsCtrl* ctrl, unsigned short* x, unsigned short* resid
                           const unsigned short* weight, unsigned long long hidden,
                           unsigned long long rows, float eps, unsigned int lane)
 {
-    os_fused<OsF16, NormF16>(ctrl, x, residual, weight, hidden, rows, eps, lane);
+    os_fused<OsF16, NormF16, false>(ctrl, x, residual, weight, hidden, rows, eps, lane);
 }
 
 extern "C" __global__ void __launch_bounds__(NORM_BLOCK, OS_MIN_BLOCKS)
@@ -930,7 +1116,7 @@ f32_one_shot_add_rms_norm(OsCtrl* ctrl, unsigned int* x, unsigned int* residual,
                           const unsigned int* weight, unsigned long long hidden,
                           unsigned long long rows, float eps, unsigned int lane)
 {
-    os_fused<OsF32, NormF32>(ctrl, x, residual, weight, hidden, rows, eps, lane);
+    os_fused<OsF32, NormF32, false>(ctrl, x, residual, weight, hidden, rows, eps, lane);
 }
 
 extern "C" __global__ void __launch_bounds__(OS_BLOCK, OS_MIN_BLOCKS)
@@ -953,3 +1139,4 @@ f32_one_shot_all_reduce(OsCtrl* ctrl, unsigned int* data, unsigned long long n,
 {
     os_one_shot<OsF32>(ctrl, data, n, lane);
 }
+#endif
