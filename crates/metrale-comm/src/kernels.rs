@@ -68,6 +68,14 @@ pub const BF16_ADD_MAX_GRID: u32 = 132 * 8;
 /// block's slot is at most [`ONE_SHOT_MAX_SLOT_BYTES`].
 pub const ONE_SHOT_PTX: &str = include_str!("../kernels/one_shot.ptx");
 
+/// PTX of the fused one-shot entries built for compute capability 9.0 and
+/// newer (`one_shot.cu` with `OS_CLUSTER`, `compute_90`, ISA 7.8, so driver
+/// r520 or newer): `{bf16,f16,f32}_one_shot_add_rms_norm_cluster`
+/// ([`crate::norm::fused_cluster_name`]), the fused entries of
+/// [`ONE_SHOT_PTX`] with a row spread over a thread block cluster. Loaded
+/// only on such devices.
+pub const ONE_SHOT_SM90_PTX: &str = include_str!("../kernels/one_shot_sm90.ptx");
+
 /// The bf16 entry point's name in [`ONE_SHOT_PTX`].
 pub const BF16_ONE_SHOT_NAME: &str = abi::one_shot::ENTRIES[0].0;
 

@@ -6,8 +6,12 @@
 //! Its kernels: [`ADD_RMS_NORM_PTX`] (`kernels/add_rms_norm.cu`, the add +
 //! norm after any all-reduce, one block a row) and the fused one-shot
 //! entries in [`crate::kernels::ONE_SHOT_PTX`] ([`fused_one_shot_name`]),
-//! which do the one-shot all-reduce and the norm in one launch. Both
-//! compute [`metrale_kernel_abi::norm::row`], bit for bit;
+//! which do the one-shot all-reduce and the norm in one launch, one block a
+//! row; on compute capability 9.0 and newer, the same kernels built to
+//! spread a row over a thread block cluster
+//! ([`crate::kernels::ONE_SHOT_SM90_PTX`], [`fused_cluster_name`],
+//! [`fused_cluster_launch_config`]). All compute
+//! [`metrale_kernel_abi::norm::row`], bit for bit;
 //! [`add_rms_norm_reference`] is that arithmetic over whole tensors, and
 //! [`within_bound`] the documented distance from an exact evaluation.
 //!
@@ -49,6 +53,46 @@ pub fn add_rms_norm_name(dtype: DataType) -> Option<&'static str> {
 /// The fused one-shot entry for `dtype`, in [`crate::kernels::ONE_SHOT_PTX`].
 pub fn fused_one_shot_name(dtype: DataType) -> Option<&'static str> {
     index(dtype).map(|i| abi::norm::FUSED_ENTRIES[i].0)
+}
+
+/// The fused one-shot entry for `dtype` that spreads a row over a thread
+/// block cluster, in [`crate::kernels::ONE_SHOT_SM90_PTX`].
+pub fn fused_cluster_name(dtype: DataType) -> Option<&'static str> {
+    index(dtype).map(|i| abi::norm::FUSED_CLUSTER_ENTRIES[i].0)
+}
+
+/// Blocks a cluster of a fused launch over `rows` rows of `hidden` values:
+/// the most (at most [`abi::norm::MAX_CLUSTER`], a power of two dividing
+/// the row's warps) that keep the launch at [`FUSED_MAX_GRID`] blocks in
+/// all, one cluster a row up to that many rows. 1 means a cluster would
+/// not help (from 32 rows, the plain grid already has 32 blocks): the
+/// plain fused entry serves.
+pub fn fused_cluster_size(hidden: usize, rows: usize, dtype: DataType) -> u32 {
+    let warps = abi::norm::threads(hidden, dtype.size()) / abi::norm::WARP;
+    let clusters = rows.clamp(1, FUSED_MAX_GRID as usize) as u32;
+    let mut c = abi::norm::MAX_CLUSTER;
+    while c > 1 && (!warps.is_multiple_of(c) || clusters * c > FUSED_MAX_GRID) {
+        c /= 2;
+    }
+    c
+}
+
+/// Grid, block and cluster size of a cluster launch of the fused entries
+/// over `rows` rows: one cluster a row (at most [`FUSED_MAX_GRID`] blocks
+/// in all), [`fused_cluster_size`] blocks a cluster, each of
+/// [`abi::norm::threads`] / that many threads.
+pub fn fused_cluster_launch_config(
+    hidden: usize,
+    rows: usize,
+    dtype: DataType,
+) -> ((u32, u32, u32), (u32, u32, u32), u32) {
+    let c = fused_cluster_size(hidden, rows, dtype);
+    let clusters = rows.clamp(1, FUSED_MAX_GRID as usize) as u32;
+    (
+        (clusters * c, 1, 1),
+        (abi::norm::threads(hidden, dtype.size()) / c, 1, 1),
+        c,
+    )
 }
 
 /// The add + norm kernels of one context, loaded once.
@@ -229,6 +273,37 @@ pub unsafe fn launch_fused(
     unsafe { kernel.launch(grid, block, 0, stream, &mut params) }
 }
 
+/// Launches a fused one-shot cluster kernel on lane `lane`, on
+/// [`fused_cluster_launch_config`]'s grid.
+///
+/// # Safety
+/// As [`launch_fused`], `kernel` the cluster entry of `args.dtype`
+/// ([`fused_cluster_name`]) on a device of compute capability 9.0 or newer.
+pub unsafe fn launch_fused_cluster(
+    kernel: &Function,
+    ctrl: u64,
+    args: NormArgs,
+    lane: u32,
+    stream: cuda_sys::CUstream,
+) -> nccl_safe::Result<()> {
+    let (grid, block, cluster) = fused_cluster_launch_config(args.hidden, args.rows, args.dtype);
+    let (mut c, mut x, mut r, mut w) = (ctrl, args.x, args.residual, args.weight);
+    let (mut h, mut n, mut eps, mut lane) = (args.hidden as u64, args.rows as u64, args.eps, lane);
+    let mut params = [
+        (&mut c as *mut u64).cast::<std::ffi::c_void>(),
+        (&mut x as *mut u64).cast(),
+        (&mut r as *mut u64).cast(),
+        (&mut w as *mut u64).cast(),
+        (&mut h as *mut u64).cast(),
+        (&mut n as *mut u64).cast(),
+        (&mut eps as *mut f32).cast(),
+        (&mut lane as *mut u32).cast(),
+    ];
+    // SAFETY: as in `launch_add_rms_norm`; the cluster size divides the
+    // grid (`fused_cluster_launch_config`).
+    unsafe { kernel.launch_cluster(grid, block, cluster, 0, stream, &mut params) }
+}
+
 /// The provided implementation of
 /// [`CommBackend::all_reduce_add_rms_norm`]: checks, the backend's
 /// kernels, `all_reduce_async(x)` on `stream`, then the add + norm kernel
@@ -389,5 +464,42 @@ mod tests {
             launch_config(1, 0, DataType::Float32),
             ((1, 1, 1), (32, 1, 1))
         );
+    }
+
+    #[test]
+    fn cluster_launches_split_a_row_and_keep_the_grid() {
+        let bf = DataType::Bfloat16;
+        // One token of 8192: 8 blocks of 64 threads, the block of 512
+        // threads spread over 8 SMs.
+        assert_eq!(
+            fused_cluster_launch_config(8192, 1, bf),
+            ((8, 1, 1), (64, 1, 1), 8)
+        );
+        assert_eq!(fused_cluster_size(4096, 4, bf), 8);
+        assert_eq!(fused_cluster_size(4096, 8, bf), 4);
+        assert_eq!(fused_cluster_size(4096, 16, bf), 2);
+        assert_eq!(fused_cluster_size(4096, 32, bf), 1);
+        assert_eq!(fused_cluster_size(4096, 512, bf), 1);
+        // Warps a row bound it: 3 warps do not split.
+        assert_eq!(fused_cluster_size(96 * 8, 1, bf), 1);
+        assert_eq!(fused_cluster_size(64 * 8, 1, bf), 2);
+        for hidden in [8, 64, 1000, 4096, 8192, 65536] {
+            for rows in [1, 2, 3, 5, 8, 31, 32, 33, 1000] {
+                for dt in TYPES {
+                    let h = hidden / dt.size() * 2;
+                    let ((g, ..), (b, ..), c) = fused_cluster_launch_config(h, rows, dt);
+                    assert!(g <= FUSED_MAX_GRID && g.is_multiple_of(c), "{h} {rows}");
+                    assert!(b.is_multiple_of(32) && b * c == abi::norm::threads(h, dt.size()));
+                    assert!((1..=abi::norm::MAX_CLUSTER).contains(&c));
+                }
+            }
+        }
+        for t in TYPES {
+            let name = fused_cluster_name(t).unwrap();
+            assert!(
+                crate::kernels::ONE_SHOT_SM90_PTX.contains(&format!(".visible .entry {name}("))
+            );
+        }
+        assert!(check_ptx_abi(crate::kernels::ONE_SHOT_SM90_PTX).is_ok());
     }
 }

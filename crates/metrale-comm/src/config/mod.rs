@@ -122,6 +122,12 @@ pub struct BackendConfig {
     /// figures noisier; where the times are exact (the emulator's cost
     /// model) one call suffices. Part of the settings every rank must share.
     pub tune_trials: Option<Trials>,
+    /// Whether the fused one-shot all-reduce + add + RMSNorm spreads a row
+    /// over a thread block cluster where the device can (compute capability
+    /// 9.0 and newer; `METRALE_COMM_FUSED_CLUSTER`, `on` or `off`; default
+    /// on). Off, or on older devices, one block takes a row. Both give the
+    /// same bits, so ranks may differ in it.
+    pub fused_cluster: bool,
     /// Capacity of the fast path's receive buffer; larger payloads go in
     /// chunks of this size. A 2-rank backend whose policy can take the fast
     /// path allocates `min(scratch_bytes, largest fast-path payload)` of
@@ -155,6 +161,7 @@ impl BackendConfig {
             tune: true,
             tune_cache: TuneCache::Default,
             tune_trials: None,
+            fused_cluster: true,
             scratch_bytes: 32 << 20,
             flight_recorder_capacity: 4096,
             dump_dir: None,
@@ -193,6 +200,13 @@ impl BackendConfig {
     /// Sets the fast-path policy.
     pub fn with_fast_path(mut self, p: FastPathPolicy) -> Self {
         self.fast_path = p;
+        self
+    }
+
+    /// Sets whether the fused kernel spreads a row over a thread block
+    /// cluster where the device can ([`BackendConfig::fused_cluster`]).
+    pub fn with_fused_cluster(mut self, on: bool) -> Self {
+        self.fused_cluster = on;
         self
     }
 
@@ -354,6 +368,17 @@ impl BackendConfig {
                 _ => {
                     return Err(CommError::Config(format!(
                         "METRALE_COMM_TUNE=`{t}`: expected on or off"
+                    )));
+                }
+            };
+        }
+        if let Some(t) = get("METRALE_COMM_FUSED_CLUSTER") {
+            self.fused_cluster = match t.trim().to_ascii_lowercase().as_str() {
+                "on" | "1" | "auto" => true,
+                "off" | "0" | "never" => false,
+                _ => {
+                    return Err(CommError::Config(format!(
+                        "METRALE_COMM_FUSED_CLUSTER=`{t}`: expected on or off"
                     )));
                 }
             };

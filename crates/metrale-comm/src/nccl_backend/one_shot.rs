@@ -115,32 +115,85 @@ pub(super) struct Live {
 
 /// The kernel of every type the path serves ([`kernels::ONE_SHOT_ENTRIES`])
 /// and its fused add + norm variant ([`crate::norm::fused_one_shot_name`]),
-/// of one module.
-pub(super) struct Kernels(Vec<(DataType, Function, Function)>);
+/// of one module; where the device launches clusters, also the fused
+/// entries that spread a row over a cluster
+/// ([`crate::norm::fused_cluster_name`], [`kernels::ONE_SHOT_SM90_PTX`]).
+pub(super) struct Kernels {
+    by_type: Vec<(DataType, Function, Function)>,
+    cluster: Vec<(DataType, Function)>,
+}
 
 impl Kernels {
-    fn load(ctx: &Arc<Context>) -> nccl_safe::Result<Kernels> {
+    /// Loads the kernels; the cluster entries only when `cluster` and the
+    /// device can launch clusters. A cluster module that does not load
+    /// costs the cluster entries only (one log line), never the path.
+    fn load(ctx: &Arc<Context>, cluster: bool) -> nccl_safe::Result<Kernels> {
         kernels::check_ptx_abi(kernels::ONE_SHOT_PTX)
             .map_err(|e| nccl_safe::Error::invalid("one-shot kernels", e))?;
         let module = Module::load_ptx(ctx, kernels::ONE_SHOT_PTX)?;
-        kernels::ONE_SHOT_ENTRIES
+        let by_type = kernels::ONE_SHOT_ENTRIES
             .iter()
             .map(|&(dtype, name)| {
                 let fused = crate::norm::fused_one_shot_name(dtype).unwrap_or_default();
                 Ok((dtype, module.function(name)?, module.function(fused)?))
             })
-            .collect::<nccl_safe::Result<_>>()
-            .map(Kernels)
+            .collect::<nccl_safe::Result<_>>()?;
+        let cluster = if cluster {
+            match Self::load_cluster(ctx) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(
+                        device = ctx.ordinal(),
+                        "the fused cluster kernels do not load ({e}); one block takes a row"
+                    );
+                    Vec::new()
+                }
+            }
+        } else {
+            Vec::new()
+        };
+        Ok(Kernels { by_type, cluster })
+    }
+
+    /// The cluster entries, empty where the device cannot launch clusters.
+    fn load_cluster(ctx: &Arc<Context>) -> nccl_safe::Result<Vec<(DataType, Function)>> {
+        if !nccl_safe::driver::supports_cluster_launch(ctx.ordinal())? {
+            return Ok(Vec::new());
+        }
+        kernels::check_ptx_abi(kernels::ONE_SHOT_SM90_PTX)
+            .map_err(|e| nccl_safe::Error::invalid("fused cluster kernels", e))?;
+        let module = Module::load_ptx(ctx, kernels::ONE_SHOT_SM90_PTX)?;
+        kernels::ONE_SHOT_ENTRIES
+            .iter()
+            .map(|&(dtype, _)| {
+                let name = crate::norm::fused_cluster_name(dtype).unwrap_or_default();
+                Ok((dtype, module.function(name)?))
+            })
+            .collect()
     }
 
     /// The kernel for `dtype`, `None` for a type the path does not serve.
     pub(super) fn of(&self, dtype: DataType) -> Option<&Function> {
-        self.0.iter().find(|(t, ..)| *t == dtype).map(|(_, f, _)| f)
+        self.by_type
+            .iter()
+            .find(|(t, ..)| *t == dtype)
+            .map(|(_, f, _)| f)
     }
 
     /// The fused add + norm kernel for `dtype`.
     fn fused(&self, dtype: DataType) -> Option<&Function> {
-        self.0.iter().find(|(t, ..)| *t == dtype).map(|(.., f)| f)
+        self.by_type
+            .iter()
+            .find(|(t, ..)| *t == dtype)
+            .map(|(.., f)| f)
+    }
+
+    /// The fused cluster kernel for `dtype`, where loaded.
+    fn fused_cluster(&self, dtype: DataType) -> Option<&Function> {
+        self.cluster
+            .iter()
+            .find(|(t, _)| *t == dtype)
+            .map(|(_, f)| f)
     }
 }
 
@@ -208,9 +261,15 @@ impl OneShot {
 
     /// The kernels, loaded on first use (backends whose policy or world
     /// size rules the path out never JIT-compile them).
-    pub(super) fn load_kernels(&mut self, ctx: &Arc<Context>) -> nccl_safe::Result<()> {
+    /// `cluster`: load the fused cluster entries where the device can
+    /// launch them ([`crate::BackendConfig::fused_cluster`]).
+    pub(super) fn load_kernels(
+        &mut self,
+        ctx: &Arc<Context>,
+        cluster: bool,
+    ) -> nccl_safe::Result<()> {
         if self.kernels.is_none() {
-            self.kernels = Some(Kernels::load(ctx)?);
+            self.kernels = Some(Kernels::load(ctx, cluster)?);
         }
         Ok(())
     }
@@ -356,6 +415,11 @@ impl OneShot {
             .as_ref()
             .and_then(|k| k.fused(args.dtype))
             .cloned();
+        let cluster = self
+            .kernels
+            .as_ref()
+            .and_then(|k| k.fused_cluster(args.dtype))
+            .cloned();
         let (Some(per), Some(live), Some(kernel)) =
             (self.fused_rows(&args), self.live.as_ref(), kernel)
         else {
@@ -368,10 +432,19 @@ impl OneShot {
         self.ordered(ctx, target, |lane, stream| {
             for first in (0..args.rows).step_by(per) {
                 let piece = args.rows(first, per.min(args.rows - first));
-                // SAFETY: `kernel` is the fused entry of the type; the rows
-                // lie inside the caller's checked views on this context and
-                // fill at most one slot; `ctrl` as in `enqueue`.
-                unsafe { crate::norm::launch_fused(&kernel, ctrl, piece, lane, stream)? };
+                let spread = crate::norm::fused_cluster_size(piece.hidden, piece.rows, piece.dtype);
+                match &cluster {
+                    // SAFETY: as below; `c` is the cluster entry of the type,
+                    // loaded only where the device launches clusters.
+                    Some(c) if spread > 1 => unsafe {
+                        crate::norm::launch_fused_cluster(c, ctrl, piece, lane, stream)?
+                    },
+                    // SAFETY: `kernel` is the fused entry of the type; the
+                    // rows lie inside the caller's checked views on this
+                    // context and fill at most one slot; `ctrl` as in
+                    // `enqueue`.
+                    _ => unsafe { crate::norm::launch_fused(&kernel, ctrl, piece, lane, stream)? },
+                }
             }
             Ok(())
         })

@@ -324,7 +324,10 @@ impl Inner {
         slot: &mut Slot,
         slot_bytes: usize,
     ) -> std::result::Result<(Live, Record), String> {
-        if let Err(e) = slot.one_shot.load_kernels(&self.ctx) {
+        if let Err(e) = slot
+            .one_shot
+            .load_kernels(&self.ctx, self.config.fused_cluster)
+        {
             return Err(format!("the one-shot kernels do not load: {e}"));
         }
         // Captured one-shots are ordered by external events in the capture
