@@ -4,7 +4,12 @@
 //! bf16, hidden 4096 and 8192 x tokens 1, 8, 32 and 128, side by side in
 //! one run:
 //! - `norm_local/{mode}/k{k}/fused`: the fused one-shot kernel
-//!   (`bf16_one_shot_add_rms_norm`);
+//!   (`bf16_one_shot_add_rms_norm`), one block a row;
+//! - `.../fused_cluster` (devices of compute capability 9.0 and newer): the
+//!   fused kernel as the backend launches it there, a row spread over a
+//!   thread block cluster (`bf16_one_shot_add_rms_norm_cluster`, cluster
+//!   size `norm::fused_cluster_size`) up to 16 rows, the plain fused
+//!   kernel from 32;
 //! - `.../one_shot`: the plain one-shot all-reduce alone;
 //! - `.../one_shot+norm`: the plain one-shot, then the separate add + norm
 //!   kernel (`bf16_add_rms_norm`) on the same stream;
@@ -25,13 +30,14 @@
 //! kernel at >= 70 % of the device's bandwidth at 128 x 8192) are read off
 //! this table (docs/benchmarks.md).
 //!
-//! `METRALE_ONE_SHOT_PTX=FILE` (the fused and plain one-shot kernels) and
+//! `METRALE_ONE_SHOT_PTX=FILE` (the fused and plain one-shot kernels),
+//! `METRALE_ONE_SHOT_SM90_PTX=FILE` (the fused cluster kernels) and
 //! `METRALE_NORM_PTX=FILE` (the separate kernel) load the kernels from
 //! `FILE` instead of the committed PTX: a change to the kernels compiled
 //! with `cargo xtask ptx` can be timed against the committed ones in one
 //! run on a box without Rust.
 //!
-//! Invariants: every (k, shape) starts with one fused call checked against
+//! Invariants: every (k, shape) starts with one call of each fused kernel checked against
 //! the host reference bit for bit on every rank; timed calls run in place
 //! (the GPU's time does not depend on the values); every wait is bounded;
 //! without a CUDA driver it prints one line and exits 0.
@@ -58,6 +64,7 @@ const WAIT: Duration = Duration::from_secs(60);
 #[derive(Clone, Copy, PartialEq)]
 enum Variant {
     Fused,
+    FusedCluster,
     OneShot,
     OneShotNorm,
 }
@@ -66,6 +73,7 @@ impl Variant {
     fn name(self) -> &'static str {
         match self {
             Variant::Fused => "fused",
+            Variant::FusedCluster => "fused_cluster",
             Variant::OneShot => "one_shot",
             Variant::OneShotNorm => "one_shot+norm",
         }
@@ -74,6 +82,8 @@ impl Variant {
 
 struct Kernels {
     fused: Function,
+    /// The cluster entry, on devices that launch clusters.
+    cluster: Option<(Function, Module)>,
     plain: Function,
     norm: Function,
     _m: (Module, Module),
@@ -115,6 +125,12 @@ fn call(
     unsafe {
         match v {
             Variant::Fused => norm::launch_fused(&k.fused, g.ctrl_ptr(r), a, lane, s),
+            Variant::FusedCluster => match &k.cluster {
+                Some((f, _)) if norm::fused_cluster_size(hidden, rows, a.dtype) > 1 => {
+                    norm::launch_fused_cluster(f, g.ctrl_ptr(r), a, lane, s)
+                }
+                _ => norm::launch_fused(&k.fused, g.ctrl_ptr(r), a, lane, s),
+            },
             Variant::OneShot | Variant::OneShotNorm => kernels::launch_one_shot(
                 &k.plain,
                 g.ctrl_ptr(r),
@@ -163,7 +179,34 @@ fn norm_local(c: &mut Criterion) {
         std::env::var("CUDA_CACHE_DISABLE").unwrap_or_default()
     );
     let dt = nccl_safe::DataType::Bfloat16;
+    let cluster = match nccl_safe::driver::supports_cluster_launch(0) {
+        Ok(true) => {
+            let ptx = metrale_benches::ptx_or(
+                "norm_local",
+                "METRALE_ONE_SHOT_SM90_PTX",
+                kernels::ONE_SHOT_SM90_PTX,
+            );
+            let t = std::time::Instant::now();
+            let m = Module::load_ptx(&ctx, &ptx).expect("the sm_90 one-shot PTX");
+            println!(
+                "norm_local: module load: the sm_90 one-shot PTX ({} KB) {:.1} ms",
+                ptx.len() / 1000,
+                t.elapsed().as_secs_f64() * 1e3
+            );
+            let f = m
+                .function(norm::fused_cluster_name(dt).unwrap_or_default())
+                .expect("fused cluster");
+            Some((f, m))
+        }
+        other => {
+            println!(
+                "norm_local: no cluster launch on device 0 ({other:?}); no fused_cluster rows"
+            );
+            None
+        }
+    };
     let k = Kernels {
+        cluster,
         fused: m1
             .function(norm::fused_one_shot_name(dt).unwrap_or_default())
             .expect("fused"),
@@ -184,14 +227,22 @@ fn norm_local(c: &mut Criterion) {
                 .expect("weight"),
         };
         for mode in ["eager", "graph"] {
-            for v in [Variant::Fused, Variant::OneShot, Variant::OneShotNorm] {
+            for v in [
+                Variant::Fused,
+                Variant::FusedCluster,
+                Variant::OneShot,
+                Variant::OneShotNorm,
+            ] {
+                if v == Variant::FusedCluster && k.cluster.is_none() {
+                    continue;
+                }
                 let mut group =
                     c.benchmark_group(format!("norm_local/{mode}/k{ranks}/{}", v.name()));
                 for hidden in HIDDEN {
                     for tokens in TOKENS {
                         let shape = (hidden, tokens);
-                        if v == Variant::Fused && mode == "eager" {
-                            check_first(&mut g, &k, &mut t, shape);
+                        if matches!(v, Variant::Fused | Variant::FusedCluster) && mode == "eager" {
+                            check_first(&mut g, &k, &mut t, v, shape);
                         }
                         let id = BenchmarkId::from_parameter(format!("{tokens}x{hidden}"));
                         group.throughput(Throughput::Bytes((hidden * tokens * 2) as u64));
@@ -223,11 +274,12 @@ fn norm_local(c: &mut Criterion) {
     norm_alone(c, &ctx, &k);
 }
 
-/// One fused call on every rank, checked against the host reference.
+/// One fused call (`v`) on every rank, checked against the host reference.
 fn check_first(
     g: &mut LocalOneShot<bf16>,
     k: &Kernels,
     t: &mut Rows,
+    v: Variant,
     (hidden, rows): (usize, usize),
 ) {
     let n = hidden * rows;
@@ -239,7 +291,7 @@ fn check_first(
         r.copy_prefix_from_host(&res0).expect("residual");
     }
     for r in 0..g.ranks() {
-        call(g, k, t, (r, Variant::Fused, LANE_EAGER), (hidden, rows));
+        call(g, k, t, (r, v, LANE_EAGER), (hidden, rows));
     }
     g.wait().expect("wait");
     let sum = kernels::one_shot_sum(&inputs).expect("sum");
@@ -252,7 +304,8 @@ fn check_first(
         assert!(
             (0..n).all(|i| x[i].to_bits32() == want_x[i].to_bits32()
                 && res[i].to_bits32() == want_r[i].to_bits32()),
-            "rank {r}: the fused call at {rows} x {hidden} differs from the reference"
+            "rank {r}: the {} call at {rows} x {hidden} differs from the reference",
+            v.name()
         );
     }
 }

@@ -4,6 +4,11 @@
 //! values and 1 to 64 rows:
 //! - the fused one-shot entry (`*_one_shot_add_rms_norm`), eager, twice
 //!   per shape (both halves), and at 2 ranks captured and replayed;
+//! - where the device launches clusters, the same for the cluster entry
+//!   (`*_one_shot_add_rms_norm_cluster`, `one_shot_sm90.ptx`, cluster sizes
+//!   1 to 8 by `norm::fused_cluster_size`), and once per shape with the
+//!   ranks mixed (even ranks the cluster entry, odd ranks the plain one):
+//!   the two share the protocol and the bits;
 //! - the plain one-shot then the separate kernel (`*_add_rms_norm`), whose
 //!   results must be the fused kernel's, bit for bit;
 //! - the separate kernel alone on rows of odd sizes (1 to 65,536 values)
@@ -43,9 +48,22 @@ pub fn kernel_one_device(ctx: &RankCtx) -> anyhow::Result<()> {
         &c,
         &crate::one_shot_local::ptx_or("METRALE_NORM_PTX", norm::ADD_RMS_NORM_PTX)?,
     )?;
-    of::<bf16>(ctx, &c, (&one_shot, &separate))?;
-    of::<f16>(ctx, &c, (&one_shot, &separate))?;
-    of::<f32>(ctx, &c, (&one_shot, &separate))?;
+    let cluster = if nccl_safe::driver::supports_cluster_launch(c.ordinal())? {
+        Some(Module::load_ptx(
+            &c,
+            &crate::one_shot_local::ptx_or(
+                "METRALE_ONE_SHOT_SM90_PTX",
+                kernels::ONE_SHOT_SM90_PTX,
+            )?,
+        )?)
+    } else {
+        ctx.step("no cluster launch on this device: the cluster entries are not run".to_string());
+        None
+    };
+    let m = (&one_shot, &separate, cluster.as_ref());
+    of::<bf16>(ctx, &c, m)?;
+    of::<f16>(ctx, &c, m)?;
+    of::<f32>(ctx, &c, m)?;
     separate_alone::<bf16>(ctx, &c, &separate)?;
     separate_alone::<f32>(ctx, &c, &separate)
 }
@@ -59,10 +77,24 @@ struct Tensors<T: nccl_safe::Element> {
 fn of<T: OneShotElement + SuiteElem>(
     ctx: &RankCtx,
     c: &std::sync::Arc<Context>,
-    (one_shot, separate): (&Module, &Module),
+    (one_shot, separate, cluster): (&Module, &Module, Option<&Module>),
 ) -> anyhow::Result<()> {
     let dtype = T::DATA_TYPE;
     let fused = one_shot.function(norm::fused_one_shot_name(dtype).unwrap_or_default())?;
+    let spread = cluster
+        .map(|m| m.function(norm::fused_cluster_name(dtype).unwrap_or_default()))
+        .transpose()?;
+    // Per rank: the plain entry, the cluster entry, or (mixed) even ranks
+    // the cluster entry and odd ranks the plain one.
+    let mut kinds = vec![("fused", Kind::Plain)];
+    if spread.is_some() {
+        kinds.push(("fused cluster", Kind::Cluster));
+        kinds.push(("fused mixed", Kind::Mixed));
+    }
+    let fns = Fused {
+        plain: &fused,
+        cluster: spread.as_ref(),
+    };
     let plain = one_shot.function(kernels::one_shot_name(dtype).unwrap_or_default())?;
     let sep = separate.function(norm::add_rms_norm_name(dtype).unwrap_or_default())?;
     let per = 16 / dtype.size();
@@ -73,6 +105,8 @@ fn of<T: OneShotElement + SuiteElem>(
         (4096, 32),
         (8192, 8),
         (1024, 64),
+        (2048, 3),
+        (per * 64, 2),
     ];
     for k in [2usize, 3, 8] {
         let mut ranks = LocalOneShot::<T>::new(c, k, SLOT_BYTES, Duration::from_secs(30))?;
@@ -85,20 +119,23 @@ fn of<T: OneShotElement + SuiteElem>(
                     .collect::<Result<_, _>>()?,
                 weight: DeviceBuffer::from_host(c, &random_vec::<T>(seed, 99, 1, hidden))?,
             };
-            for call in 0..2 {
-                ctx.step(format!(
-                    "{k} ranks, {dtype}: fused, {rows} x {hidden}, call {call}"
-                ));
-                let inputs = ranks.fill(seed + call, n)?;
-                let res0 = random_vec::<T>(seed + call, 77, 2, n);
-                for r in &mut t.residual {
-                    r.copy_from_host(&res0)?;
+            for &(what, kind) in &kinds {
+                let calls = if kind == Kind::Mixed { 1 } else { 2 };
+                for call in 0..calls {
+                    ctx.step(format!(
+                        "{k} ranks, {dtype}: {what}, {rows} x {hidden}, call {call}"
+                    ));
+                    let inputs = ranks.fill(seed + call, n)?;
+                    let res0 = random_vec::<T>(seed + call, 77, 2, n);
+                    for r in &mut t.residual {
+                        r.copy_from_host(&res0)?;
+                    }
+                    for r in 0..k {
+                        launch_fused(&ranks, &t, fns.of(kind, r), r, (hidden, rows), LANE_EAGER)?;
+                    }
+                    ranks.wait()?;
+                    check(&ranks, &t, &inputs, &res0, hidden, what)?;
                 }
-                for r in 0..k {
-                    launch_fused(&ranks, &t, &fused, r, (hidden, rows), LANE_EAGER)?;
-                }
-                ranks.wait()?;
-                check(&ranks, &t, &inputs, &res0, hidden, "fused")?;
             }
             ctx.step(format!(
                 "{k} ranks, {dtype}: one-shot then the separate kernel, {rows} x {hidden}"
@@ -114,15 +151,16 @@ fn of<T: OneShotElement + SuiteElem>(
             }
             ranks.wait()?;
             check(&ranks, &t, &inputs, &res0, hidden, "one-shot + separate")?;
-            if k == 2 && si == 3 {
+            for &(what, kind) in kinds.iter().filter(|_| k == 2 && (si == 3 || si == 6)) {
                 ctx.step(format!(
-                    "{k} ranks, {dtype}: fused captured, replayed twice"
+                    "{k} ranks, {dtype}: {what} captured, {rows} x {hidden}, replayed twice"
                 ));
                 let execs = (0..k)
                     .map(|r| {
                         let s = ranks.stream(r);
                         s.begin_capture()?;
-                        let l = launch_fused(&ranks, &t, &fused, r, (hidden, rows), LANE_GRAPH);
+                        let f = fns.of(kind, r);
+                        let l = launch_fused(&ranks, &t, f, r, (hidden, rows), LANE_GRAPH);
                         let g = s.end_capture()?;
                         l?;
                         anyhow::Ok(g.instantiate()?)
@@ -138,7 +176,7 @@ fn of<T: OneShotElement + SuiteElem>(
                         e.launch(ranks.stream(r))?;
                     }
                     ranks.wait()?;
-                    check(&ranks, &t, &inputs, &res0, hidden, "fused replay")?;
+                    check(&ranks, &t, &inputs, &res0, hidden, what)?;
                 }
             }
         }
@@ -155,7 +193,7 @@ fn of<T: OneShotElement + SuiteElem>(
             };
             let inputs = ranks.fill(5, hidden)?;
             for (r, input) in inputs.iter().enumerate() {
-                launch_fused(&ranks, &t, &fused, r, (hidden, 1), LANE_EAGER)?;
+                launch_fused(&ranks, &t, (&fused, false), r, (hidden, 1), LANE_EAGER)?;
                 ranks.stream(r).wait_until_idle(WAIT)?;
                 let st = ranks.flags(r).load(1);
                 ensure!(st == 4, "rank {r}: status {st}, want 4 (bad launch)");
@@ -170,6 +208,31 @@ fn of<T: OneShotElement + SuiteElem>(
         }
     }
     Ok(())
+}
+
+/// Which fused entry each rank launches.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Plain,
+    Cluster,
+    Mixed,
+}
+
+/// The fused entries of one type.
+struct Fused<'a> {
+    plain: &'a Function,
+    cluster: Option<&'a Function>,
+}
+
+impl<'a> Fused<'a> {
+    /// Rank `r`'s entry for `kind`, and whether it is the cluster entry.
+    fn of(&self, kind: Kind, r: usize) -> (&'a Function, bool) {
+        match (kind, self.cluster) {
+            (Kind::Cluster, Some(f)) => (f, true),
+            (Kind::Mixed, Some(f)) if r % 2 == 0 => (f, true),
+            _ => (self.plain, false),
+        }
+    }
 }
 
 fn args<T: OneShotElement + SuiteElem>(
@@ -189,27 +252,35 @@ fn args<T: OneShotElement + SuiteElem>(
     }
 }
 
+/// Launches `f` on rank `r`: the fused entry of `T`, or with `cluster` its
+/// cluster entry (on [`norm::fused_cluster_launch_config`]'s grid, cluster
+/// size 1 included).
 fn launch_fused<T: OneShotElement + SuiteElem>(
     ranks: &LocalOneShot<T>,
     t: &Tensors<T>,
-    f: &Function,
+    (f, cluster): (&Function, bool),
     r: usize,
     shape: (usize, usize),
     lane: u32,
 ) -> anyhow::Result<()> {
     ensure!(shape.0 * shape.1 <= ranks.max_elems(), "one slot");
-    // SAFETY: `f` is the fused entry of `T` in this context; the control
-    // block is rank `r`'s with live receive buffers; x holds a slot of
-    // values, the residual and weight `rows * hidden` and `hidden`; all
-    // outlive the work (the caller waits before dropping them).
+    let (ctrl, a, s) = (
+        ranks.ctrl_ptr(r),
+        args(ranks, t, r, shape),
+        ranks.stream(r).raw(),
+    );
+    // SAFETY: `f` is the fused (with `cluster`, the fused cluster) entry of
+    // `T` in this context, the cluster entry loaded only where the device
+    // launches clusters; the control block is rank `r`'s with live receive
+    // buffers; x holds a slot of values, the residual and weight `rows *
+    // hidden` and `hidden`; all outlive the work (the caller waits before
+    // dropping them).
     unsafe {
-        norm::launch_fused(
-            f,
-            ranks.ctrl_ptr(r),
-            args(ranks, t, r, shape),
-            lane,
-            ranks.stream(r).raw(),
-        )?
+        if cluster {
+            norm::launch_fused_cluster(f, ctrl, a, lane, s)?
+        } else {
+            norm::launch_fused(f, ctrl, a, lane, s)?
+        }
     };
     Ok(())
 }
