@@ -61,6 +61,7 @@ fn cuda(lib: &cuda_sys::CudaLib) {
     same(&lib.cuGraphLaunch, cuGraphLaunch);
     same(&lib.cuInit, cuInit);
     same(&lib.cuLaunchKernel, cuLaunchKernel);
+    same(&lib.cuLaunchKernelEx, cuLaunchKernelEx);
     same(&lib.cuMemAllocHost_v2, cuMemAllocHost_v2);
     same(&lib.cuMemAlloc_v2, cuMemAlloc_v2);
     same(&lib.cuMemFreeHost, cuMemFreeHost);

@@ -40,7 +40,11 @@
 //!   `bf16_add_inplace` (`bf16(f32(dst) + f32(src))`, round to nearest
 //!   even) and the one-shot all-reduces of bf16, f16 and f32 (their push,
 //!   flag-free wait, rank-order f32 sum, clear and bounded spin over peer
-//!   memory; `kernels::one_shot`).
+//!   memory; `kernels::one_shot`). `cuLaunchKernelEx` launches as
+//!   `cuLaunchKernel` does; of its attributes it reads the cluster
+//!   dimensions only, which the fused entries that split a row over a
+//!   cluster check against their launch contract (`kernels::fused`);
+//!   devices report cluster launch.
 //! - **IPC**: `cuIpcGetMemHandle`, `cuIpcOpenMemHandle_v2` and
 //!   `cuIpcCloseMemHandle` between processes of this host (the exported
 //!   pages are a memfd's, mapped by the other process); a handle opened in

@@ -304,6 +304,7 @@ fn attribute(a: CUdevice_attribute, dev: CUdevice) -> Option<c_int> {
         A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X => i32::MAX,
         A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y | A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z => 65535,
         A::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING
+        | A::CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH
         | A::CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS
         | A::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY
         | A::CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY => 1,
@@ -320,7 +321,7 @@ fn attribute(a: CUdevice_attribute, dev: CUdevice) -> Option<c_int> {
 }
 
 /// `cuDeviceGetAttribute`: compute capability 9.0 and plausible H100-class
-/// values; other known attributes read 0.
+/// values (cluster launch supported); other known attributes read 0.
 ///
 /// # Safety
 /// `pi` is null or valid for a write.

@@ -1,9 +1,13 @@
 //! Modules and kernels: `cuModuleLoadData` parses the `.entry` names of
-//! PTX text, and `cuLaunchKernel` runs the project's kernels that the
-//! emulator knows as host code on the stream (`bf16_add_inplace` in
-//! `bf16_add`; `bf16_one_shot_all_reduce`, `f16_one_shot_all_reduce` and
-//! `f32_one_shot_all_reduce` and the fused `*_one_shot_add_rms_norm` in
-//! `one_shot`; `*_add_rms_norm` in `norm`).
+//! PTX text, and `cuLaunchKernel` and `cuLaunchKernelEx` run the project's
+//! kernels that the emulator knows as host code on the stream
+//! (`bf16_add_inplace` in `bf16_add`; `bf16_one_shot_all_reduce`,
+//! `f16_one_shot_all_reduce` and `f32_one_shot_all_reduce` in `one_shot`;
+//! the fused `*_one_shot_add_rms_norm` and `*_one_shot_add_rms_norm_cluster`
+//! in `fused`; `*_add_rms_norm` in `norm`). Of `cuLaunchKernelEx`'s
+//! attributes only the cluster dimensions are read; the emulator runs a
+//! launch as one block whatever its dimensions, and only the cluster
+//! entries check them (their launch contract).
 //!
 //! Invariants:
 //! - A function handle exists only for an entry that is in its module's PTX
@@ -17,7 +21,10 @@
 use std::ffi::{CStr, c_char, c_uint, c_void};
 use std::sync::Arc;
 
-use cuda_sys::{CUfunction, CUmodule, CUresult, CUstream};
+use cuda_sys::{
+    CUfunction, CUlaunchAttribute, CUlaunchAttributeID, CUlaunchConfig, CUmodule, CUresult,
+    CUstream,
+};
 
 use super::{bf16_add, fused, norm, one_shot};
 use crate::cuda::driver::{self, check_init, code};
@@ -37,8 +44,12 @@ enum Kernel {
     AddRmsNorm(one_shot::Elem),
     /// `{bf16,f16,f32}_one_shot_add_rms_norm(OsCtrl* ctrl, T* x, T*
     /// residual, const T* weight, u64 hidden, u64 rows, f32 eps, u32
-    /// lane)`, run by `one_shot` and `norm`.
+    /// lane)`, run by `fused`.
     FusedOneShot(one_shot::Elem),
+    /// `{bf16,f16,f32}_one_shot_add_rms_norm_cluster`, the parameters and
+    /// arithmetic of `FusedOneShot`, run by `fused` after the check of its
+    /// cluster launch contract (`fused::cluster_ok`).
+    FusedOneShotCluster(one_shot::Elem),
 }
 
 impl Kernel {
@@ -48,7 +59,8 @@ impl Kernel {
             _ => one_shot::Elem::by_name(name)
                 .map(Kernel::OneShotAllReduce)
                 .or_else(|| norm::by_name(name).map(Kernel::AddRmsNorm))
-                .or_else(|| norm::fused_by_name(name).map(Kernel::FusedOneShot)),
+                .or_else(|| norm::fused_by_name(name).map(Kernel::FusedOneShot))
+                .or_else(|| norm::fused_cluster_by_name(name).map(Kernel::FusedOneShotCluster)),
         }
     }
 }
@@ -160,7 +172,8 @@ pub unsafe extern "C" fn cuModuleGetFunction(
 
 /// `cuLaunchKernel`: runs the kernel's host implementation on the stream;
 /// grid and block dimensions are checked to be non-zero and otherwise
-/// ignored.
+/// ignored, except by the cluster entries, which check their launch
+/// contract (a launch here has cluster dimensions `(1, 1, 1)`).
 ///
 /// # Safety
 /// `params` is null or an array of pointers to the kernel's arguments.
@@ -179,81 +192,167 @@ pub unsafe extern "C" fn cuLaunchKernel(
     _extra: *mut *mut c_void,
 ) -> CUresult {
     guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        let dims = Dims {
+            grid: [gx, gy, gz],
+            block: [bx, by, bz],
+            cluster: [1, 1, 1],
+        };
+        // SAFETY: `params` is as `launch` requires (this function's contract).
+        code(unsafe { launch(f, dims, s, params) })
+    })
+}
+
+/// `cuLaunchKernelEx`: `cuLaunchKernel` with its grid, block, shared
+/// memory and stream read from `config`, and its attributes:
+/// `CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION` sets the cluster dimensions
+/// (the last one wins; `(1, 1, 1)` without one), which the cluster entries
+/// check against their launch contract; any other attribute is ignored.
+///
+/// # Safety
+/// `config` is null or points to a launch configuration whose `attrs` is
+/// null or holds `numAttrs` attributes; `params` is null or an array of
+/// pointers to the kernel's arguments.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLaunchKernelEx(
+    config: *const CUlaunchConfig,
+    f: CUfunction,
+    params: *mut *mut c_void,
+    _extra: *mut *mut c_void,
+) -> CUresult {
+    guard(CUresult::CUDA_ERROR_UNKNOWN, || {
         code((|| {
-            check_init()?;
-            let k = FUNCTIONS
-                .get(ptr_to_id(f))
-                .ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
-            if [gx, gy, gz, bx, by, bz].contains(&0) || params.is_null() {
+            if config.is_null() {
                 return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
             }
-            let target = stream::resolve(s, None)?;
-            let dev = target.stream.device();
-            driver::sticky(dev)?;
-            match *k {
-                Kernel::Bf16AddInplace => {
-                    // SAFETY: `params` holds pointers to the three arguments
-                    // (this function's contract).
-                    let (dst, src, n) = unsafe {
-                        let p0 = *params.add(0);
-                        let p1 = *params.add(1);
-                        let p2 = *params.add(2);
-                        if p0.is_null() || p1.is_null() || p2.is_null() {
-                            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-                        }
-                        (
-                            p0.cast::<u64>().read_unaligned(),
-                            p1.cast::<u64>().read_unaligned(),
-                            p2.cast::<u64>().read_unaligned(),
-                        )
-                    };
-                    let l = bf16_add::launcher((dst, src, n), dev)?;
-                    stream::submit(&target, l)
-                }
-                Kernel::OneShotAllReduce(elem) => {
-                    // SAFETY: `params` holds pointers to the four arguments
-                    // (this function's contract).
-                    let (ctrl, data, n, lane) = unsafe {
-                        let p: [*mut c_void; 4] = std::array::from_fn(|i| *params.add(i));
-                        if p.iter().any(|a| a.is_null()) {
-                            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-                        }
-                        (
-                            p[0].cast::<u64>().read_unaligned(),
-                            p[1].cast::<u64>().read_unaligned(),
-                            p[2].cast::<u64>().read_unaligned(),
-                            p[3].cast::<u32>().read_unaligned(),
-                        )
-                    };
-                    let l = one_shot::launcher(elem, (ctrl, data, n, lane), dev)?;
-                    stream::submit(&target, l)
-                }
-                Kernel::AddRmsNorm(elem) => {
-                    // SAFETY: `params` holds pointers to the six arguments
-                    // (this function's contract).
-                    let a = unsafe { norm_args(params, 0)? };
-                    stream::submit(&target, norm::launcher(elem, a, dev)?)
-                }
-                Kernel::FusedOneShot(elem) => {
-                    // SAFETY: `params` holds pointers to the eight
-                    // arguments (this function's contract).
-                    let (ctrl, a, lane) = unsafe {
-                        let p: [*mut c_void; 8] = std::array::from_fn(|i| *params.add(i));
-                        if p.iter().any(|a| a.is_null()) {
-                            return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
-                        }
-                        (
-                            p[0].cast::<u64>().read_unaligned(),
-                            norm_args(params, 1)?,
-                            p[7].cast::<u32>().read_unaligned(),
-                        )
-                    };
-                    let l = fused::launcher(elem, ctrl, a, lane, dev)?;
-                    stream::submit(&target, l)
+            // SAFETY: `config` is non-null and valid (this function's contract).
+            let c = unsafe { &*config };
+            if c.numAttrs > 0 && c.attrs.is_null() {
+                return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+            }
+            let mut cluster = [1, 1, 1];
+            for i in 0..c.numAttrs as usize {
+                // SAFETY: `attrs` holds `numAttrs` attributes (this
+                // function's contract); the fields are read through raw
+                // pointers, as a caller may leave the rest (`pad`, other
+                // members of the value) unwritten.
+                let a: *const CUlaunchAttribute = unsafe { c.attrs.add(i) };
+                // SAFETY: as above; an id is any u32.
+                let id = unsafe { std::ptr::addr_of!((*a).id).read_unaligned() };
+                if id == CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION {
+                    // SAFETY: as above; the id says the value holds the
+                    // cluster dimensions, three u32.
+                    let d = unsafe { std::ptr::addr_of!((*a).value.clusterDim).read_unaligned() };
+                    cluster = [d.x, d.y, d.z];
                 }
             }
+            let dims = Dims {
+                grid: [c.gridDimX, c.gridDimY, c.gridDimZ],
+                block: [c.blockDimX, c.blockDimY, c.blockDimZ],
+                cluster,
+            };
+            // SAFETY: `params` is as `launch` requires (this function's contract).
+            unsafe { launch(f, dims, c.hStream, params) }
         })())
     })
+}
+
+/// A launch's dimensions: grid and block, and cluster (`(1, 1, 1)` for
+/// `cuLaunchKernel`).
+#[derive(Clone, Copy)]
+struct Dims {
+    grid: [u32; 3],
+    block: [u32; 3],
+    cluster: [u32; 3],
+}
+
+/// The launch of `f` on stream `s`, shared by both launch calls.
+///
+/// # Safety
+/// `params` is null or an array of pointers to the kernel's arguments.
+unsafe fn launch(
+    f: CUfunction,
+    dims: Dims,
+    s: CUstream,
+    params: *mut *mut c_void,
+) -> Result<(), CUresult> {
+    check_init()?;
+    let k = FUNCTIONS
+        .get(ptr_to_id(f))
+        .ok_or(CUresult::CUDA_ERROR_INVALID_HANDLE)?;
+    if dims.grid.contains(&0) || dims.block.contains(&0) || params.is_null() {
+        return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+    }
+    let target = stream::resolve(s, None)?;
+    let dev = target.stream.device();
+    driver::sticky(dev)?;
+    match *k {
+        Kernel::Bf16AddInplace => {
+            // SAFETY: `params` holds pointers to the three arguments
+            // (this function's contract).
+            let (dst, src, n) = unsafe {
+                let p0 = *params.add(0);
+                let p1 = *params.add(1);
+                let p2 = *params.add(2);
+                if p0.is_null() || p1.is_null() || p2.is_null() {
+                    return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+                }
+                (
+                    p0.cast::<u64>().read_unaligned(),
+                    p1.cast::<u64>().read_unaligned(),
+                    p2.cast::<u64>().read_unaligned(),
+                )
+            };
+            let l = bf16_add::launcher((dst, src, n), dev)?;
+            stream::submit(&target, l)
+        }
+        Kernel::OneShotAllReduce(elem) => {
+            // SAFETY: `params` holds pointers to the four arguments
+            // (this function's contract).
+            let (ctrl, data, n, lane) = unsafe {
+                let p: [*mut c_void; 4] = std::array::from_fn(|i| *params.add(i));
+                if p.iter().any(|a| a.is_null()) {
+                    return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+                }
+                (
+                    p[0].cast::<u64>().read_unaligned(),
+                    p[1].cast::<u64>().read_unaligned(),
+                    p[2].cast::<u64>().read_unaligned(),
+                    p[3].cast::<u32>().read_unaligned(),
+                )
+            };
+            let l = one_shot::launcher(elem, (ctrl, data, n, lane), dev)?;
+            stream::submit(&target, l)
+        }
+        Kernel::AddRmsNorm(elem) => {
+            // SAFETY: `params` holds pointers to the six arguments
+            // (this function's contract).
+            let a = unsafe { norm_args(params, 0)? };
+            stream::submit(&target, norm::launcher(elem, a, dev)?)
+        }
+        Kernel::FusedOneShot(elem) | Kernel::FusedOneShotCluster(elem) => {
+            // SAFETY: `params` holds pointers to the eight
+            // arguments (this function's contract).
+            let (ctrl, a, lane) = unsafe {
+                let p: [*mut c_void; 8] = std::array::from_fn(|i| *params.add(i));
+                if p.iter().any(|a| a.is_null()) {
+                    return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
+                }
+                (
+                    p[0].cast::<u64>().read_unaligned(),
+                    norm_args(params, 1)?,
+                    p[7].cast::<u32>().read_unaligned(),
+                )
+            };
+            let launch_ok = match *k {
+                Kernel::FusedOneShotCluster(_) => {
+                    fused::cluster_ok(dims.grid[0], dims.block[0], dims.cluster)
+                }
+                _ => true,
+            };
+            let l = fused::launcher(elem, ctrl, a, lane, launch_ok, dev)?;
+            stream::submit(&target, l)
+        }
+    }
 }
 
 /// The add + norm's six arguments `(x, residual, weight, hidden, rows,

@@ -1,9 +1,10 @@
 //! The host implementation of metrale-comm's residual add + RMSNorm
 //! kernels (`{bf16,f16,f32}_add_rms_norm` in
 //! `crates/metrale-comm/kernels/add_rms_norm.cu`) and the norm half of the
-//! fused one-shot entries (`{bf16,f16,f32}_one_shot_add_rms_norm`, run by
-//! `one_shot`): the arithmetic is `metrale_kernel_abi::norm::row`, the
-//! one the GPU kernels compute, so results match bit for bit.
+//! fused one-shot entries (`{bf16,f16,f32}_one_shot_add_rms_norm` and
+//! their `_cluster` variants, run by `fused`): the arithmetic is
+//! `metrale_kernel_abi::norm::row`, the one the GPU kernels compute, so
+//! results match bit for bit.
 //!
 //! Invariant: every range is checked at launch and again when the kernel
 //! runs, atomically with the run (`memory::access`).
@@ -28,6 +29,14 @@ pub(crate) fn by_name(name: &str) -> Option<Elem> {
 /// The element type of a fused entry `name`.
 pub(crate) fn fused_by_name(name: &str) -> Option<Elem> {
     let i = abi::FUSED_ENTRIES.iter().position(|(n, _)| *n == name)?;
+    Some([Elem::Bf16, Elem::F16, Elem::F32][i])
+}
+
+/// The element type of a fused cluster entry `name`.
+pub(crate) fn fused_cluster_by_name(name: &str) -> Option<Elem> {
+    let i = abi::FUSED_CLUSTER_ENTRIES
+        .iter()
+        .position(|(n, _)| *n == name)?;
     Some([Elem::Bf16, Elem::F16, Elem::F32][i])
 }
 
