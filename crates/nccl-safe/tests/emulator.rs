@@ -462,3 +462,73 @@ fn kernel_launch_events_and_graph_replay() {
         assert_eq!(thrice[i].to_bits(), want.to_bits(), "element {i}");
     }
 }
+
+#[test]
+fn cluster_launch_checks_its_dimensions_then_runs() {
+    setup();
+    const N: usize = 500;
+    let ptx = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../metrale-comm/kernels/bf16_add.ptx"
+    ))
+    .unwrap();
+    let ctx = Context::new(0).unwrap();
+    assert!(nccl_safe::supports_cluster_launch(0).unwrap());
+    assert!(matches!(
+        nccl_safe::supports_cluster_launch(1 << 20),
+        Err(Error::InvalidArgument { .. })
+    ));
+    let stream = Stream::new(&ctx).unwrap();
+    let module = nccl_safe::Module::load_ptx(&ctx, &ptx).unwrap();
+    let add = module.function("bf16_add_inplace").unwrap();
+    let mut rng = rand::rng();
+    let mut random = || -> Vec<bf16> {
+        (0..N)
+            .map(|_| bf16::from_f32(rng.random_range(0.5f32..4.0)))
+            .collect()
+    };
+    let (a, b) = (random(), random());
+    let dst = DeviceBuffer::from_host(&ctx, &a).unwrap();
+    let src = DeviceBuffer::from_host(&ctx, &b).unwrap();
+    let (mut p_dst, mut p_src, mut n) = (dst.device_ptr(), src.device_ptr(), N as u64);
+    let mut params = [
+        (&raw mut p_dst).cast(),
+        (&raw mut p_src).cast(),
+        (&raw mut n).cast(),
+    ];
+    for (grid, cluster) in [(4, 0), (4, 3), (18, 9), (6, 4)] {
+        // SAFETY: three u64 parameters matching the kernel's signature; both
+        // buffers hold N bf16 values and outlive the stream work.
+        let r = unsafe {
+            add.launch_cluster(
+                (grid, 1, 1),
+                (128, 1, 1),
+                cluster,
+                0,
+                stream.raw(),
+                &mut params,
+            )
+        };
+        assert!(
+            matches!(r, Err(Error::InvalidArgument { .. })),
+            "grid {grid}, cluster {cluster}: {r:?}"
+        );
+    }
+    stream.wait_until_idle(WAIT).unwrap();
+    let untouched = dst.to_host_vec().unwrap();
+    assert!(
+        untouched
+            .iter()
+            .zip(&a)
+            .all(|(x, y)| x.to_bits() == y.to_bits()),
+        "a refused launch ran"
+    );
+    // SAFETY: as above.
+    unsafe { add.launch_cluster((4, 1, 1), (128, 1, 1), 2, 0, stream.raw(), &mut params) }.unwrap();
+    stream.wait_until_idle(WAIT).unwrap();
+    let sum = dst.to_host_vec().unwrap();
+    for i in 0..N {
+        let want = bf16::from_f32(a[i].to_f32() + b[i].to_f32());
+        assert_eq!(sum[i].to_bits(), want.to_bits(), "element {i}");
+    }
+}
