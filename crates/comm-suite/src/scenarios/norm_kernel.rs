@@ -229,7 +229,7 @@ impl<'a> Fused<'a> {
     fn of(&self, kind: Kind, r: usize) -> (&'a Function, bool) {
         match (kind, self.cluster) {
             (Kind::Cluster, Some(f)) => (f, true),
-            (Kind::Mixed, Some(f)) if r % 2 == 0 => (f, true),
+            (Kind::Mixed, Some(f)) if r.is_multiple_of(2) => (f, true),
             _ => (self.plain, false),
         }
     }
