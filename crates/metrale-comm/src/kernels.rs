@@ -11,6 +11,9 @@
 //!   (450.36.06 on Linux) or newer. nvcc 13.0 writes ISA 9.0 (driver r580);
 //!   `cargo xtask ptx` relabels it 7.0 and has `ptxas` confirm that every
 //!   instruction exists in ISA 7.0 for sm_80.
+//! - [`ONE_SHOT_SM90_PTX`] only (the fused entries over thread block
+//!   clusters): compute capability 9.0 and PTX ISA 7.8 (driver r520); it is
+//!   loaded only where `nccl_safe::supports_cluster_launch` says yes.
 //!
 //! The kernels' ABI (control block, statuses, constants, launch contracts)
 //! is defined once, in the `metrale-kernel-abi` crate ([`abi`]), which
