@@ -657,6 +657,21 @@ mod tune_tests {
             with(&[("METRALE_COMM_TUNE", "maybe")]),
             Err(CommError::Config(m)) if m.contains("METRALE_COMM_TUNE")
         ));
+        assert!(BackendConfig::new(0).fused_cluster);
+        assert!(
+            !with(&[("METRALE_COMM_FUSED_CLUSTER", " OFF ")])
+                .unwrap()
+                .fused_cluster
+        );
+        assert!(
+            with(&[("METRALE_COMM_FUSED_CLUSTER", "on")])
+                .unwrap()
+                .fused_cluster
+        );
+        assert!(matches!(
+            with(&[("METRALE_COMM_FUSED_CLUSTER", "8")]),
+            Err(CommError::Config(m)) if m.contains("METRALE_COMM_FUSED_CLUSTER")
+        ));
         let c = with(&[("METRALE_COMM_TUNE_CACHE", "/tmp/x")]).unwrap();
         assert_eq!(c.tune_cache, TuneCache::Dir(PathBuf::from("/tmp/x")));
         let c = with(&[("METRALE_COMM_TUNE_CACHE", "off")]).unwrap();
