@@ -716,16 +716,37 @@ __device__ __forceinline__ void os_cluster_sync()
     asm volatile("barrier.cluster.arrive;\n\tbarrier.cluster.wait;" ::: "memory");
 }
 
+// The start of a cluster entry: every thread arrives first thing, and
+// waits (os_cluster_started) before its first store into another block's
+// shared memory, which exists only once that block has started: the
+// arrival of all of the block's threads says it has. Every thread waits
+// exactly once, on every path, before its next arrival or its exit.
+__device__ __forceinline__ void os_cluster_arrive()
+{
+    asm volatile("barrier.cluster.arrive;" ::: "memory");
+}
+
+__device__ __forceinline__ void os_cluster_started()
+{
+    asm volatile("barrier.cluster.wait;" ::: "memory");
+}
+
 // The row's sum of `v` over the cluster's T threads, in every thread, by
 // norm_block_sum's tree, and in `stop` whether any thread's `ok` was
-// false. Called by every thread of every block of the cluster, once a row;
-// `par` alternates between a block's consecutive rows: a block writes
-// buffer p for row i into another block's memory after the barrier of row
-// i - 1, which that block reached after reading buffer p for row i - 2, so
-// one barrier a row suffices; and after a block's last barrier no other
-// block touches its memory, so it may exit.
-__device__ __forceinline__ float os_cluster_sum(float v, bool ok, unsigned int par, bool& stop)
+// false. Called by every thread of every block of the cluster, once a row
+// (`it`: the row's index among the cluster's rows); the first row's call
+// first waits for every block of the cluster to have started
+// (os_cluster_arrive). The buffer `par` alternates between a block's
+// consecutive rows: a block writes buffer p for row i into another block's
+// memory after the barrier of row i - 1, which that block reached after
+// reading buffer p for row i - 2, so one barrier a row suffices; and after
+// a block's last barrier no other block touches its memory, so it may exit.
+__device__ __forceinline__ float os_cluster_sum(float v, bool ok, unsigned int it, bool& stop)
 {
+    const unsigned int par = it & 1u;
+    if (it == 0u) {
+        os_cluster_started();
+    }
     __shared__ float s_sum[2][NORM_BLOCK / 32];
     __shared__ unsigned int s_stop[2][NORM_BLOCK / 32];
     v = norm_warp_sum(v);
@@ -783,7 +804,7 @@ __device__ __forceinline__ bool os_row_sum(float acc, bool ok, unsigned int it, 
     if constexpr (CL) {
 #ifdef OS_CLUSTER
         bool stop;
-        ss = os_cluster_sum(acc, ok, it & 1u, stop);
+        ss = os_cluster_sum(acc, ok, it, stop);
         return !stop;
 #else
         return false;
@@ -792,6 +813,28 @@ __device__ __forceinline__ bool os_row_sum(float acc, bool ok, unsigned int it, 
         ss = norm_block_sum(acc);
         return !__syncthreads_or(ok ? 0 : 1);
     }
+}
+
+// A cluster entry's arrival at its start, and the wait for it of a block
+// that sums no row (os_cluster_arrive); nothing in the one-block entries.
+template <bool CL>
+__device__ __forceinline__ void os_cluster_begin()
+{
+#ifdef OS_CLUSTER
+    if constexpr (CL) {
+        os_cluster_arrive();
+    }
+#endif
+}
+
+template <bool CL>
+__device__ __forceinline__ void os_cluster_wait_started()
+{
+#ifdef OS_CLUSTER
+    if constexpr (CL) {
+        os_cluster_started();
+    }
+#endif
 }
 
 // One row: waits, sums, clears (os_sum), adds the residual, reduces the
@@ -911,6 +954,7 @@ __device__ __forceinline__ void os_fused(OsCtrl* ctrl, typename E::Bits* x, type
     __shared__ unsigned long long s_t0;
 
     typedef OsSplit<CL> S;
+    os_cluster_begin<CL>();
     OsCall c;
     c.ctrl = ctrl;
     c.t0 = &s_t0;
@@ -994,6 +1038,8 @@ __device__ __forceinline__ void os_fused(OsCtrl* ctrl, typename E::Bits* x, type
             if (!bad && S::first() < rows) {
                 float ss;
                 os_row_sum<CL>(0.0f, false, 0u, ss);
+            } else {
+                os_cluster_wait_started<CL>();
             }
         }
         return;
@@ -1048,6 +1094,10 @@ __device__ __forceinline__ void os_fused(OsCtrl* ctrl, typename E::Bits* x, type
         } else {
             ok = os_fused_row<E, N, 7, 4, CL>(c, x, res, weight, row, it, units_row, hidden, eps);
         }
+    }
+
+    if (S::first() >= rows) {
+        os_cluster_wait_started<CL>();
     }
 
     // 4. As the plain kernel: the last block frees the lane. (In a
