@@ -6,7 +6,8 @@
 //! - `norm_local/{mode}/k{k}/fused`: the fused one-shot kernel
 //!   (`bf16_one_shot_add_rms_norm`), one block a row;
 //! - `.../fused_cluster` (devices of compute capability 9.0 and newer): the
-//!   fused kernel as the backend launches it there, a row spread over a
+//!   fused kernel as the backend launches it there with
+//!   `METRALE_COMM_FUSED_CLUSTER=on`, a row spread over a
 //!   thread block cluster (`bf16_one_shot_add_rms_norm_cluster`, cluster
 //!   size `norm::fused_cluster_size`) up to 16 rows, the plain fused
 //!   kernel from 32;

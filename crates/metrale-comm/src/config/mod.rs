@@ -125,8 +125,9 @@ pub struct BackendConfig {
     /// Whether the fused one-shot all-reduce + add + RMSNorm spreads a row
     /// over a thread block cluster where the device can (compute capability
     /// 9.0 and newer; `METRALE_COMM_FUSED_CLUSTER`, `on` or `off`; default
-    /// on). Off, or on older devices, one block takes a row. Both give the
-    /// same bits, so ranks may differ in it.
+    /// off: on one H200 it measured within the noise of one block a row,
+    /// docs/benchmarks.md). Off, or on older devices, one block takes a
+    /// row. Both give the same bits, so ranks may differ in it.
     pub fused_cluster: bool,
     /// Capacity of the fast path's receive buffer; larger payloads go in
     /// chunks of this size. A 2-rank backend whose policy can take the fast
@@ -161,7 +162,7 @@ impl BackendConfig {
             tune: true,
             tune_cache: TuneCache::Default,
             tune_trials: None,
-            fused_cluster: true,
+            fused_cluster: false,
             scratch_bytes: 32 << 20,
             flight_recorder_capacity: 4096,
             dump_dir: None,
@@ -657,7 +658,7 @@ mod tune_tests {
             with(&[("METRALE_COMM_TUNE", "maybe")]),
             Err(CommError::Config(m)) if m.contains("METRALE_COMM_TUNE")
         ));
-        assert!(BackendConfig::new(0).fused_cluster);
+        assert!(!BackendConfig::new(0).fused_cluster);
         assert!(
             !with(&[("METRALE_COMM_FUSED_CLUSTER", " OFF ")])
                 .unwrap()
