@@ -1,7 +1,8 @@
 //! Scenarios of the fused all-reduce + residual add + RMSNorm
 //! (`CommBackend::all_reduce_add_rms_norm`): every type, rows of 1 to the
 //! kernels' limit (odd sizes), 1 to 512 tokens (a sampled set), on every
-//! path (the one-shot's fused kernel, NCCL's all-reduce then the add +
+//! path (the one-shot's fused kernel, one block a row and, at even ranks,
+//! over thread block clusters, NCCL's all-reduce then the add +
 //! norm kernel, the 2-rank fast path then the kernel, and `LocalBackend`),
 //! eager on a compute stream and captured into a graph replayed twice;
 //! each bad input with its typed error and a healthy backend after.
@@ -46,15 +47,35 @@ const SHAPES: &[(usize, usize)] = &[
 /// (hidden, tokens) of f16 and f32.
 const TYPED_SHAPES: &[(usize, usize)] = &[(3, 7), (64, 128), (4096, 4), (5003, 1)];
 
-/// The paths, by name: (one-shot policy, fast-path policy, the path a
-/// bf16 row takes).
-fn paths(ctx: &RankCtx) -> Vec<(&'static str, OneShotPolicy, FastPathPolicy)> {
+/// The paths, by name: (one-shot policy, fast-path policy, whether this
+/// rank's fused kernel spreads a row over a thread block cluster).
+/// "one-shot-clusters" turns the cluster entries on at even ranks only:
+/// the backend's cluster launch where the device can (the emulator, and
+/// GPUs of compute capability 9.0 and newer), and ranks that differ in
+/// it, whose outputs must still be bit-identical.
+fn paths(ctx: &RankCtx) -> Vec<(&'static str, OneShotPolicy, FastPathPolicy, bool)> {
     let mut p = vec![
-        ("one-shot", OneShotPolicy::Always, FastPathPolicy::Never),
-        ("nccl", OneShotPolicy::Never, FastPathPolicy::Never),
+        (
+            "one-shot",
+            OneShotPolicy::Always,
+            FastPathPolicy::Never,
+            false,
+        ),
+        (
+            "one-shot-clusters",
+            OneShotPolicy::Always,
+            FastPathPolicy::Never,
+            ctx.rank.is_multiple_of(2),
+        ),
+        ("nccl", OneShotPolicy::Never, FastPathPolicy::Never, false),
     ];
     if ctx.world_size == 2 {
-        p.push(("fast path", OneShotPolicy::Never, FastPathPolicy::Always));
+        p.push((
+            "fast path",
+            OneShotPolicy::Never,
+            FastPathPolicy::Always,
+            false,
+        ));
     }
     p
 }
@@ -62,11 +83,15 @@ fn paths(ctx: &RankCtx) -> Vec<(&'static str, OneShotPolicy, FastPathPolicy)> {
 /// Every path, type and shape, eager and captured, then the bad inputs.
 pub fn fused_norm(ctx: &RankCtx) -> anyhow::Result<()> {
     let seed = ctx.shared_seed("norm-fused")?;
-    for (name, one_shot, fast) in paths(ctx) {
-        let cfg = ctx.config().with_one_shot(one_shot).with_fast_path(fast);
+    for (name, one_shot, fast, cluster) in paths(ctx) {
+        let cfg = ctx
+            .config()
+            .with_one_shot(one_shot)
+            .with_fast_path(fast)
+            .with_fused_cluster(cluster);
         let b = ctx.backend(&format!("norm-{name}"), cfg)?;
         let want = match name {
-            "one-shot" => AllReducePath::OneShot,
+            "one-shot" | "one-shot-clusters" => AllReducePath::OneShot,
             "fast path" => AllReducePath::FastPath,
             _ => AllReducePath::Nccl,
         };

@@ -82,7 +82,11 @@ impl BackendSpec {
             .with_fast_path(policy)
             .with_one_shot(one_shot)
             .with_enqueue(mode)
-            .with_tune(true);
+            .with_tune(true)
+            // The fused kernel over thread block clusters (off by default)
+            // at even ranks of the one-shot-always backends: the cluster
+            // entries and ranks that differ in them, among the rest.
+            .with_fused_cluster(self.policy == Policy::OneShotAlways && ctx.rank.is_multiple_of(2));
         c.shutdown_timeout = SHUTDOWN_TIMEOUT;
         if self.policy == Policy::Chunked {
             c = c.with_scratch_bytes(256 << 10);
@@ -99,7 +103,9 @@ impl fmt::Display for BackendSpec {
             Policy::Default => "the default: one-shot and fast path where tuned",
             Policy::Chunked => "fast path always, 256 KiB scratch",
             Policy::OneShot => "one-shot up to 1 MiB, fast path by default, NCCL above",
-            Policy::OneShotAlways => "one-shot always (chunked past 1 MiB), no fast path",
+            Policy::OneShotAlways => {
+                "one-shot always (chunked past 1 MiB), no fast path, fused kernel over clusters at even ranks"
+            }
         };
         let mode = if self.blocking {
             "blocking"
