@@ -257,20 +257,50 @@ pub unsafe fn launch_fused(
     stream: cuda_sys::CUstream,
 ) -> nccl_safe::Result<()> {
     let (grid, block) = fused_launch_config(args.hidden, args.rows, args.dtype);
-    let (mut c, mut x, mut r, mut w) = (ctrl, args.x, args.residual, args.weight);
-    let (mut h, mut n, mut eps, mut lane) = (args.hidden as u64, args.rows as u64, args.eps, lane);
-    let mut params = [
-        (&mut c as *mut u64).cast::<std::ffi::c_void>(),
-        (&mut x as *mut u64).cast(),
-        (&mut r as *mut u64).cast(),
-        (&mut w as *mut u64).cast(),
-        (&mut h as *mut u64).cast(),
-        (&mut n as *mut u64).cast(),
-        (&mut eps as *mut f32).cast(),
-        (&mut lane as *mut u32).cast(),
-    ];
-    // SAFETY: as in `launch_add_rms_norm`.
-    unsafe { kernel.launch(grid, block, 0, stream, &mut params) }
+    let mut p = FusedParams::new(ctrl, args, lane);
+    // SAFETY: as in `launch_add_rms_norm`; `p` outlives the launch.
+    unsafe { kernel.launch(grid, block, 0, stream, &mut p.pointers()) }
+}
+
+/// The fused entries' parameters (`ctrl, x, residual, weight, hidden,
+/// rows, eps, lane`), held where a launch's parameter pointers can point.
+struct FusedParams {
+    ptrs: [u64; 6],
+    eps: f32,
+    lane: u32,
+}
+
+impl FusedParams {
+    fn new(ctrl: u64, args: NormArgs, lane: u32) -> Self {
+        Self {
+            ptrs: [
+                ctrl,
+                args.x,
+                args.residual,
+                args.weight,
+                args.hidden as u64,
+                args.rows as u64,
+            ],
+            eps: args.eps,
+            lane,
+        }
+    }
+
+    /// One pointer a parameter, in the entries' order; valid while `self`
+    /// is neither moved nor dropped.
+    fn pointers(&mut self) -> [*mut std::ffi::c_void; 8] {
+        let [c, x, r, w, h, n] = &mut self.ptrs;
+        [
+            (c as *mut u64).cast(),
+            (x as *mut u64).cast(),
+            (r as *mut u64).cast(),
+            (w as *mut u64).cast(),
+            (h as *mut u64).cast(),
+            (n as *mut u64).cast(),
+            (&mut self.eps as *mut f32).cast(),
+            (&mut self.lane as *mut u32).cast(),
+        ]
+    }
 }
 
 /// Launches a fused one-shot cluster kernel on lane `lane`, on
@@ -287,21 +317,10 @@ pub unsafe fn launch_fused_cluster(
     stream: cuda_sys::CUstream,
 ) -> nccl_safe::Result<()> {
     let (grid, block, cluster) = fused_cluster_launch_config(args.hidden, args.rows, args.dtype);
-    let (mut c, mut x, mut r, mut w) = (ctrl, args.x, args.residual, args.weight);
-    let (mut h, mut n, mut eps, mut lane) = (args.hidden as u64, args.rows as u64, args.eps, lane);
-    let mut params = [
-        (&mut c as *mut u64).cast::<std::ffi::c_void>(),
-        (&mut x as *mut u64).cast(),
-        (&mut r as *mut u64).cast(),
-        (&mut w as *mut u64).cast(),
-        (&mut h as *mut u64).cast(),
-        (&mut n as *mut u64).cast(),
-        (&mut eps as *mut f32).cast(),
-        (&mut lane as *mut u32).cast(),
-    ];
-    // SAFETY: as in `launch_add_rms_norm`; the cluster size divides the
-    // grid (`fused_cluster_launch_config`).
-    unsafe { kernel.launch_cluster(grid, block, cluster, 0, stream, &mut params) }
+    let mut p = FusedParams::new(ctrl, args, lane);
+    // SAFETY: as in `launch_add_rms_norm`; `p` outlives the launch, and the
+    // cluster size divides the grid (`fused_cluster_launch_config`).
+    unsafe { kernel.launch_cluster(grid, block, cluster, 0, stream, &mut p.pointers()) }
 }
 
 /// The provided implementation of

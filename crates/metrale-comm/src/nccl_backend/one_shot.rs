@@ -140,7 +140,14 @@ impl Kernels {
             .collect::<nccl_safe::Result<_>>()?;
         let cluster = if cluster {
             match Self::load_cluster(ctx) {
-                Ok(c) => c,
+                Ok(c) => {
+                    tracing::debug!(
+                        device = ctx.ordinal(),
+                        loaded = !c.is_empty(),
+                        "the fused cluster kernels (METRALE_COMM_FUSED_CLUSTER=on)"
+                    );
+                    c
+                }
                 Err(e) => {
                     tracing::warn!(
                         device = ctx.ordinal(),
