@@ -717,10 +717,10 @@ __device__ __forceinline__ void os_cluster_sync()
 }
 
 // The start of a cluster entry: every thread arrives first thing, and
-// waits (os_cluster_started) before its first store into another block's
-// shared memory, which exists only once that block has started: the
-// arrival of all of the block's threads says it has. Every thread waits
-// exactly once, on every path, before its next arrival or its exit.
+// waits once (os_cluster_started), on every path, after the call's checks
+// and before any store into another block's shared memory, which exists
+// only once that block has started: the arrival of all of the block's
+// threads says it has.
 __device__ __forceinline__ void os_cluster_arrive()
 {
     asm volatile("barrier.cluster.arrive;" ::: "memory");
@@ -733,20 +733,15 @@ __device__ __forceinline__ void os_cluster_started()
 
 // The row's sum of `v` over the cluster's T threads, in every thread, by
 // norm_block_sum's tree, and in `stop` whether any thread's `ok` was
-// false. Called by every thread of every block of the cluster, once a row
-// (`it`: the row's index among the cluster's rows); the first row's call
-// first waits for every block of the cluster to have started
-// (os_cluster_arrive). The buffer `par` alternates between a block's
-// consecutive rows: a block writes buffer p for row i into another block's
-// memory after the barrier of row i - 1, which that block reached after
-// reading buffer p for row i - 2, so one barrier a row suffices; and after
-// a block's last barrier no other block touches its memory, so it may exit.
-__device__ __forceinline__ float os_cluster_sum(float v, bool ok, unsigned int it, bool& stop)
+// false. Called by every thread of every block of the cluster, once a row,
+// after the start's wait (os_cluster_arrive). `par` alternates between a
+// block's consecutive rows: a block writes buffer p for row i into another
+// block's memory after the barrier of row i - 1, which that block reached
+// after reading buffer p for row i - 2, so one barrier a row suffices; and
+// after a block's last barrier no other block touches its memory, so it
+// may exit.
+__device__ __forceinline__ float os_cluster_sum(float v, bool ok, unsigned int par, bool& stop)
 {
-    const unsigned int par = it & 1u;
-    if (it == 0u) {
-        os_cluster_started();
-    }
     __shared__ float s_sum[2][NORM_BLOCK / 32];
     __shared__ unsigned int s_stop[2][NORM_BLOCK / 32];
     v = norm_warp_sum(v);
@@ -804,7 +799,7 @@ __device__ __forceinline__ bool os_row_sum(float acc, bool ok, unsigned int it, 
     if constexpr (CL) {
 #ifdef OS_CLUSTER
         bool stop;
-        ss = os_cluster_sum(acc, ok, it, stop);
+        ss = os_cluster_sum(acc, ok, it & 1u, stop);
         return !stop;
 #else
         return false;
@@ -815,8 +810,8 @@ __device__ __forceinline__ bool os_row_sum(float acc, bool ok, unsigned int it, 
     }
 }
 
-// A cluster entry's arrival at its start, and the wait for it of a block
-// that sums no row (os_cluster_arrive); nothing in the one-block entries.
+// A cluster entry's arrival at its start, and its one wait for every
+// block's (os_cluster_arrive); nothing in the one-block entries.
 template <bool CL>
 __device__ __forceinline__ void os_cluster_begin()
 {
@@ -1028,6 +1023,7 @@ __device__ __forceinline__ void os_fused(OsCtrl* ctrl, typename E::Bits* x, type
         s_peer[threadIdx.x] = ctrl->peer[threadIdx.x];
     }
     __syncthreads();
+    os_cluster_wait_started<CL>();
     if (s_go == 0u) {
         // A cluster's blocks decide `go` each for itself (`bad` alike, the
         // rest from their own reads): a block that does not go still takes
@@ -1038,8 +1034,6 @@ __device__ __forceinline__ void os_fused(OsCtrl* ctrl, typename E::Bits* x, type
             if (!bad && S::first() < rows) {
                 float ss;
                 os_row_sum<CL>(0.0f, false, 0u, ss);
-            } else {
-                os_cluster_wait_started<CL>();
             }
         }
         return;
@@ -1094,10 +1088,6 @@ __device__ __forceinline__ void os_fused(OsCtrl* ctrl, typename E::Bits* x, type
         } else {
             ok = os_fused_row<E, N, 7, 4, CL>(c, x, res, weight, row, it, units_row, hidden, eps);
         }
-    }
-
-    if (S::first() >= rows) {
-        os_cluster_wait_started<CL>();
     }
 
     // 4. As the plain kernel: the last block frees the lane. (In a
