@@ -38,8 +38,12 @@
 //! with `cargo xtask ptx` can be timed against the committed ones in one
 //! run on a box without Rust.
 //!
+//! `METRALE_NORM_LOCAL_NO_CHECK=1` skips the check below: for timing probes,
+//! kernels built to compute something else (a phase left out) to see what
+//! that phase costs; their numbers say nothing of a correct kernel.
+//!
 //! Invariants: every (k, shape) starts with one call of each fused kernel checked against
-//! the host reference bit for bit on every rank; timed calls run in place
+//! the host reference bit for bit on every rank (unless the check is skipped, as above); timed calls run in place
 //! (the GPU's time does not depend on the values); every wait is bounded;
 //! without a CUDA driver it prints one line and exits 0.
 
@@ -217,6 +221,10 @@ fn norm_local(c: &mut Criterion) {
             .expect("norm"),
         _m: (m1, m2),
     };
+    let check = std::env::var_os("METRALE_NORM_LOCAL_NO_CHECK").is_none();
+    if !check {
+        println!("norm_local: METRALE_NORM_LOCAL_NO_CHECK is set: results are not checked");
+    }
     for ranks in [2usize, 4, 8] {
         let mut g = LocalOneShot::<bf16>::new(&ctx, ranks, SLOT_BYTES, Duration::from_secs(30))
             .expect("buffers");
@@ -242,7 +250,10 @@ fn norm_local(c: &mut Criterion) {
                 for hidden in HIDDEN {
                     for tokens in TOKENS {
                         let shape = (hidden, tokens);
-                        if matches!(v, Variant::Fused | Variant::FusedCluster) && mode == "eager" {
+                        if check
+                            && matches!(v, Variant::Fused | Variant::FusedCluster)
+                            && mode == "eager"
+                        {
                             check_first(&mut g, &k, &mut t, v, shape);
                         }
                         let id = BenchmarkId::from_parameter(format!("{tokens}x{hidden}"));
