@@ -33,7 +33,7 @@ use crate::gpu_box;
 
 const HELP: &str = "\
 usage: cargo xtask bench [--bundle DIR] [--out DIR] [--quick] [--cpu] [--one-shot-local] [--norm-local]
-                         [--only-local] [--no-host-costs]
+                         [--norm-variants DIR] [--only-local] [--no-host-costs]
                          [--save-baseline NAME | --baseline NAME] [-- CRITERION_ARGS...]
 
 Builds the benchmarks (cargo bench --no-run, release) into a bundle: the
@@ -49,8 +49,13 @@ NAME, or compare it with NAME saved earlier in the same OUT on the same box.
 --quick: smoke-test sizes and times. --cpu: the CPU bench too.
 --one-shot-local: the one-shot kernel on one GPU with ranks simulated too.
 --norm-local: the fused all-reduce + add + RMSNorm on one GPU, ranks
-simulated, too. --only-local: skip the collectives bench, its tables and
-the host costs (with --one-shot-local or --norm-local).
+simulated, too. --norm-variants DIR: the fused and separate kernels' graph
+replays up to 32 tokens with the committed PTX, then with each build in DIR
+(`cargo xtask ptx --variants DIR`: one_shot-NAME.ptx, with
+add_rms_norm-NAME.ptx where there is one; probe-* unchecked), then the
+committed again; a table of the medians in OUT/norm-variants.md.
+--only-local: skip the collectives bench, its tables and the host costs
+(with --one-shot-local, --norm-local or --norm-variants).
 --no-host-costs: skip gpu-bench's host time per call. Arguments after --
 go to criterion (a filter such as all_reduce/, --measurement-time 5).
 See docs/benchmarks.md.
@@ -84,6 +89,10 @@ fn parse(args: &[String]) -> anyhow::Result<Result<Cli, i32>> {
             "--out" => cli.out = Some(it.next().context("--out needs a directory")?.into()),
             "--quick" | "--cpu" | "--one-shot-local" | "--norm-local" | "--only-local"
             | "--no-host-costs" => cli.pass.push(a.clone()),
+            "--norm-variants" => {
+                let dir = it.next().context("--norm-variants needs a directory")?;
+                cli.pass.extend([a.clone(), dir.clone()]);
+            }
             "--save-baseline" | "--baseline" => {
                 let name = it.next().with_context(|| format!("{a} needs a name"))?;
                 cli.pass.extend([a.clone(), name.clone()]);
@@ -265,8 +274,11 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 #   OUT/one-shot-local*.log the one-shot kernel on one GPU, ranks simulated (--one-shot-local),
 #                          its table and plot in OUT/one-shot-local*.{md,svg}
 #   OUT/norm-local*.log    the fused all-reduce + add + RMSNorm on one GPU, ranks simulated (--norm-local)
+#   OUT/norm-variants.md   the fused and separate kernels, committed against each build in DIR
+#                          (--norm-variants DIR; logs in OUT/norm-variant-*.log)
 #   OUT/nccl-tests*.txt    NVIDIA's nccl-tests beside them (--nccl-tests DIR)
-# usage: ./run.sh OUT [--quick] [--cpu] [--one-shot-local] [--norm-local] [--only-local] [--no-host-costs]
+# usage: ./run.sh OUT [--quick] [--cpu] [--one-shot-local] [--norm-local] [--norm-variants DIR]
+#                     [--only-local] [--no-host-costs]
 #                     [--nccl-tests DIR]
 #                     [--save-baseline NAME | --baseline NAME] [CRITERION_ARGS...]
 # --save-baseline / --baseline go to criterion (and name the files: -NAME,
@@ -276,20 +288,21 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-    sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 mkdir -p "$1" && out="$(cd "$1" && pwd)" || exit 2
 shift
 export NCCL_NVLS_ENABLE=0
 export CRITERION_HOME="$out/criterion"
-cpu=0 local=0 norm=0 collectives=1 host=1 nccl_tests="" suffix="" base=() crit=()
+cpu=0 local=0 norm=0 variants="" collectives=1 host=1 nccl_tests="" suffix="" base=() crit=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --quick) export METRALE_BENCH_QUICK=1 ;;
         --cpu) cpu=1 ;;
         --one-shot-local) local=1 ;;
         --norm-local) norm=1 ;;
+        --norm-variants) variants="$2"; shift ;;
         --only-local) collectives=0; host=0 ;;
         --no-host-costs) host=0 ;;
         --nccl-tests) nccl_tests="$2"; shift ;;
@@ -323,6 +336,35 @@ fi
 if [ "$norm" = 1 ]; then
     "$here/norm_local" --bench "${base[@]}" 2>&1 | tee "$out/norm-local$suffix.log" || status=1
 fi
+if [ -n "$variants" ]; then
+    # Graph replays up to 32 tokens: the fused kernel (and the plain
+    # one-shot) at 2, 4 and 8 simulated ranks, and the separate kernel.
+    vf='norm_local/graph/(k[248]/(fused|one_shot)/(1x4096|1x8192|8x8192|32x4096|32x8192)|norm/[0-9]+x[0-9]+)$'
+    runs=()
+    vrun() {
+        local name=$1; shift
+        runs+=("$name")
+        env "$@" "$here/norm_local" --bench --noplot --sample-size 10 --measurement-time 0.5 \
+            --warm-up-time 0.1 "$vf" >"$out/norm-variant-$name.log" 2>&1 || status=1
+    }
+    vrun committed
+    for p in "$variants"/one_shot-*.ptx; do
+        [ -f "$p" ] || continue
+        name=$(basename "$p" .ptx); name=${name#one_shot-}
+        envs=(METRALE_ONE_SHOT_PTX="$p")
+        [ -f "$variants/add_rms_norm-$name.ptx" ] && envs+=(METRALE_NORM_PTX="$variants/add_rms_norm-$name.ptx")
+        case "$name" in probe-*) envs+=(METRALE_NORM_LOCAL_NO_CHECK=1) ;; esac
+        vrun "$name" "${envs[@]}"
+    done
+    vrun committed-again
+    # One row a benchmark, one column a run: criterion's median estimate, µs.
+    for r in "${runs[@]}"; do
+        awk -v run="$r" '/^norm_local\//{id=$1} /time:/{for (i=1;i<=NF;i++) if ($i=="time:") t=i; if (id!="") {v=$(t+3); u=$(t+4); if (u=="ns") v/=1000; if (u=="ms") v*=1000; print run, id, v; id=""}}' "$out/norm-variant-$r.log"
+    done | awk -v cols="${runs[*]}" 'BEGIN{n=split(cols,c," ")} {v[$2" "$1]=$3; if (!($2 in seen)) {seen[$2]=1; ids[++m]=$2}}
+        END{printf "| benchmark (µs) |"; for (i=1;i<=n;i++) printf " %s |", c[i]; printf "\n|---|"; for (i=1;i<=n;i++) printf "---:|"; printf "\n";
+            for (j=1;j<=m;j++) {printf "| %s |", ids[j]; for (i=1;i<=n;i++) printf " %s |", v[ids[j]" "c[i]]; printf "\n"}}' >"$out/norm-variants.md"
+    cat "$out/norm-variants.md"
+fi
 if [ -n "$nccl_tests" ]; then
     n="${METRALE_BENCH_GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}"
     for t in all_reduce all_gather reduce_scatter broadcast sendrecv alltoall; do
@@ -350,6 +392,9 @@ set METRALE_NCCL_LIBRARY to use another libnccl):
     ./run.sh OUT --baseline main        # a later build compared with `main`
     ./run.sh OUT --quick                # a smoke test (seconds)
     ./run.sh OUT all_reduce/            # criterion's filter: one operation
+    ./run.sh OUT --only-local --norm-variants DIR
+                                        # the norm kernels, committed against the
+                                        # builds of `cargo xtask ptx --variants DIR`
 
 OUT gets criterion's report folder (criterion/ and criterion.tar.gz), the
 tables (tables.md: time, algbw, busbw, ours/raw and noise per size) and
@@ -375,6 +420,8 @@ mod tests {
             "--baseline",
             "main",
             "--quick",
+            "--norm-variants",
+            "v",
             "--",
             "all_reduce/",
             "--measurement-time",
@@ -390,6 +437,8 @@ mod tests {
                 "--baseline",
                 "main",
                 "--quick",
+                "--norm-variants",
+                "v",
                 "--",
                 "all_reduce/",
                 "--measurement-time",
@@ -398,6 +447,7 @@ mod tests {
         );
         assert_eq!(parse(&args(&["--frobnicate"])).unwrap(), Err(2));
         assert!(parse(&args(&["--save-baseline"])).is_err());
+        assert!(parse(&args(&["--norm-variants"])).is_err());
     }
 
     #[test]

@@ -21,6 +21,8 @@ commands:
   bindgen [--check]   regenerate crates/cuda-sys and crates/nccl-sys bindings
                       (--check: fail if the committed output differs)
   ptx [--check]       compile the project's CUDA kernels to the committed PTX
+  ptx --variants DIR  write the kernels' uncommitted builds (variants, probes)
+                      into DIR
   probe               print the driver, the GPUs and peer access, and NCCL
   gpu-test [opts]     run the multi-rank suite on this box's GPUs (--help)
   bench [opts]        build the GPU benchmarks into a bundle for a GPU box, or

@@ -1,8 +1,10 @@
-//! `cargo xtask ptx [--check]`: writes the kernels' ABI header
-//! (`crates/metrale-comm/kernels/abi.h`, from `crates/kernel-abi`) and
-//! compiles the project's CUDA kernels (`crates/metrale-comm/kernels/*.cu`)
-//! to the PTX committed beside them; `--check` says whether both are
-//! current.
+//! `cargo xtask ptx [--check | --variants DIR]`: writes the kernels' ABI
+//! header (`crates/metrale-comm/kernels/abi.h`, from `crates/kernel-abi`)
+//! and compiles the project's CUDA kernels
+//! (`crates/metrale-comm/kernels/*.cu`) to the PTX committed beside them;
+//! `--check` says whether both are current; `--variants DIR` writes the
+//! kernels' uncommitted builds (a macro defined: variants to time against
+//! the committed PTX, and probes) into DIR and touches nothing committed.
 //!
 //! nvcc is `nvcc` on `PATH`, else `$CUDA_HOME/bin/nvcc`, else the pinned
 //! CUDA 13.0 compiler wheels from PyPI (`nvidia-cuda-nvcc`, `nvidia-nvvm` for
@@ -106,9 +108,71 @@ const KERNELS: &[Build] = &[
     ),
 ];
 
+/// Builds of the kernels that are never committed, each named: variants to
+/// time against the committed PTX (`norm_local` loads them through
+/// `METRALE_ONE_SHOT_PTX` and `METRALE_NORM_PTX`), and probes that leave a
+/// phase out to show what it costs (wrong results: time them with
+/// `METRALE_NORM_LOCAL_NO_CHECK=1`). The macros are documented where the
+/// kernels test them.
+const VARIANTS: &[(&str, Build)] = &[
+    (
+        "one-barrier",
+        variant(
+            "crates/metrale-comm/kernels/one_shot.cu",
+            &["NORM_ONE_BARRIER"],
+        ),
+    ),
+    (
+        "one-barrier",
+        variant(
+            "crates/metrale-comm/kernels/add_rms_norm.cu",
+            &["NORM_ONE_BARRIER"],
+        ),
+    ),
+    (
+        "probe-nosum",
+        variant(
+            "crates/metrale-comm/kernels/one_shot.cu",
+            &["OS_PROBE_NOSUM"],
+        ),
+    ),
+    (
+        "probe-noinv",
+        variant(
+            "crates/metrale-comm/kernels/one_shot.cu",
+            &["OS_PROBE_NOINV"],
+        ),
+    ),
+    (
+        "probe-bare",
+        variant(
+            "crates/metrale-comm/kernels/one_shot.cu",
+            &["OS_PROBE_BARE"],
+        ),
+    ),
+];
+
+/// A variant of `src` for sm_80, with `defines` (its output is named
+/// after `src`, not written beside it).
+const fn variant(src: &'static str, defines: &'static [&'static str]) -> Build {
+    Build {
+        src,
+        dst: src,
+        arch: ARCH,
+        isa: PTX_ISA,
+        check_arch: CHECK_ARCH,
+        defines,
+    }
+}
+
 /// Runs the subcommand.
 pub fn run(args: &[String]) -> Result<i32> {
-    let check = crate::check_flag(args, "cargo xtask ptx [--check]")?;
+    if let [flag, dir] = args
+        && flag == "--variants"
+    {
+        return variants(Path::new(dir));
+    }
+    let check = crate::check_flag(args, "cargo xtask ptx [--check | --variants DIR]")?;
     let root = workspace_root();
     let nvcc = find_nvcc(&root)?;
     println!("xtask ptx: using {}", nvcc.display());
@@ -143,6 +207,32 @@ pub fn run(args: &[String]) -> Result<i32> {
             stale.join(", ")
         );
         return Ok(1);
+    }
+    Ok(0)
+}
+
+/// `--variants DIR`: writes each of [`VARIANTS`] to `DIR/<source
+/// stem>-<name>.ptx`, compiled and checked as the committed builds are.
+fn variants(dir: &Path) -> Result<i32> {
+    let root = workspace_root();
+    let nvcc = find_nvcc(&root)?;
+    println!("xtask ptx: using {}", nvcc.display());
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    for (name, b) in VARIANTS {
+        let out_dir = root.join("target/xtask-cache/ptx-variants").join(name);
+        std::fs::create_dir_all(&out_dir)?;
+        let text = compile(&nvcc, &root, b, &out_dir)?;
+        let stem = Path::new(b.src)
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .context("kernel source without a name")?;
+        let to = dir.join(format!("{stem}-{name}.ptx"));
+        std::fs::write(&to, text).with_context(|| format!("writing {}", to.display()))?;
+        println!(
+            "xtask ptx: wrote {} ({})",
+            to.display(),
+            b.defines.join(" ")
+        );
     }
     Ok(0)
 }

@@ -49,7 +49,8 @@ template <class E>
 __device__ __forceinline__ void norm_row_in_registers(typename E::Bits* xr, typename E::Bits* rr,
                                                       const typename E::Bits* weight,
                                                       unsigned int hidden, unsigned int chunks,
-                                                      bool vec, bool wvec, float eps)
+                                                      bool vec, bool wvec, float eps,
+                                                      unsigned int par)
 {
     uint4 s[REG_CHUNKS];
     uint4 res[REG_CHUNKS];
@@ -75,7 +76,7 @@ __device__ __forceinline__ void norm_row_in_registers(typename E::Bits* xr, type
             norm_store<E>(rr, hidden, j, vec, res[c]);
         }
     }
-    const float inv = norm_inv(norm_block_sum(acc), hidden, eps);
+    const float inv = norm_inv(norm_block_sum(acc, par), hidden, eps);
 #pragma unroll
     for (unsigned int c = 0; c < REG_CHUNKS; ++c) {
         const unsigned int j = threadIdx.x + c * blockDim.x;
@@ -97,13 +98,14 @@ __device__ __forceinline__ void norm_rows(typename E::Bits* x, typename E::Bits*
     const unsigned int hidden = (unsigned int)hidden64;
     const unsigned int chunks = (hidden + E::PER - 1u) / E::PER;
     const bool wvec = (reinterpret_cast<unsigned long long>(weight) & 15ull) == 0ull;
-    for (unsigned long long row = blockIdx.x; row < rows; row += gridDim.x) {
+    unsigned int par = 0u;
+    for (unsigned long long row = blockIdx.x; row < rows; row += gridDim.x, par ^= 1u) {
         typename E::Bits* xr = x + row * hidden;
         typename E::Bits* rr = residual + row * hidden;
         const bool vec = ((reinterpret_cast<unsigned long long>(xr) |
                            reinterpret_cast<unsigned long long>(rr)) & 15ull) == 0ull;
         if (chunks <= REG_CHUNKS * blockDim.x) {
-            norm_row_in_registers<E>(xr, rr, weight, hidden, chunks, vec, wvec, eps);
+            norm_row_in_registers<E>(xr, rr, weight, hidden, chunks, vec, wvec, eps, par);
             continue;
         }
         float acc = 0.0f;
@@ -112,7 +114,7 @@ __device__ __forceinline__ void norm_rows(typename E::Bits* x, typename E::Bits*
             const uint4 res = norm_load<E>(rr, hidden, j, vec);
             norm_store<E>(rr, hidden, j, vec, norm_add<E>(s, res, acc));
         }
-        const float inv = norm_inv(norm_block_sum(acc), hidden, eps);
+        const float inv = norm_inv(norm_block_sum(acc, par), hidden, eps);
         for (unsigned int j = threadIdx.x; j < chunks; j += blockDim.x) {
             const uint4 r = norm_load<E>(rr, hidden, j, vec);
             const uint4 w = norm_load<E>(weight, hidden, j, wvec && vec);

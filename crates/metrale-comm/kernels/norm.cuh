@@ -168,6 +168,31 @@ __device__ __forceinline__ float norm_block_sum(float v)
     return norm_warp_sum(t);
 }
 
+// Step 3 as the kernels call it, once a row (`par`: the row's index among
+// the block's rows, mod 2): norm_block_sum, or in the variant
+// `one-barrier` (`cargo xtask ptx --variants`; not in the committed PTX)
+// the same tree, so the same bits, behind one barrier a row: each warp's
+// sum goes into buffer `par`; a warp writes buffer p for row i after the
+// barrier of row i - 1, which every warp reached after reading buffer p
+// for row i - 2.
+__device__ __forceinline__ float norm_block_sum(float v, unsigned int par)
+{
+#ifndef NORM_ONE_BARRIER
+    (void)par;
+    return norm_block_sum(v);
+#else
+    __shared__ float s_warp2[2][NORM_BLOCK / 32];
+    v = norm_warp_sum(v);
+    if ((threadIdx.x & 31u) == 0u) {
+        s_warp2[par][threadIdx.x >> 5] = v;
+    }
+    __syncthreads();
+    const unsigned int lane = threadIdx.x & 31u;
+    const float t = lane < (blockDim.x >> 5) ? s_warp2[par][lane] : 0.0f;
+    return norm_warp_sum(t);
+#endif
+}
+
 // Step 4: 1 / sqrt(ss / hidden + eps).
 __device__ __forceinline__ float norm_inv(float ss, unsigned int hidden, float eps)
 {

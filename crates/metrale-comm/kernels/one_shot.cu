@@ -765,6 +765,30 @@ __device__ __forceinline__ float os_cluster_sum(float v, bool ok, unsigned int p
 }
 #endif
 
+#ifdef NORM_ONE_BARRIER
+// The variant `one-barrier` (norm.cuh's norm_block_sum): the row's sum of
+// `v` over the block's threads by norm_block_sum's tree, and in `stop`
+// whether any thread's `ok` was false, behind one barrier a row: each
+// warp's sum and stop flag go into buffer `par`, as norm_block_sum's.
+__device__ __forceinline__ float os_block_sum(float v, bool ok, unsigned int par, bool& stop)
+{
+    __shared__ float s_sum[2][NORM_BLOCK / 32];
+    __shared__ unsigned int s_stop[2][NORM_BLOCK / 32];
+    v = norm_warp_sum(v);
+    const unsigned int any = __any_sync(0xFFFFFFFFu, ok ? 0 : 1);
+    const unsigned int lane = threadIdx.x & 31u;
+    if (lane == 0u) {
+        s_sum[par][threadIdx.x >> 5] = v;
+        s_stop[par][threadIdx.x >> 5] = any;
+    }
+    __syncthreads();
+    const unsigned int warps = blockDim.x >> 5;
+    stop = __any_sync(0xFFFFFFFFu, lane < warps && s_stop[par][lane] != 0u) != 0;
+    const float t = lane < warps ? s_sum[par][lane] : 0.0f;
+    return norm_warp_sum(t);
+}
+#endif
+
 // Where a thread's part of the call lies: its index among a row's
 // threads (t), their count (n), the first of its block's (cluster's) rows
 // and the step to the next; read from the special registers where used,
@@ -805,8 +829,14 @@ __device__ __forceinline__ bool os_row_sum(float acc, bool ok, unsigned int it, 
         return false;
 #endif
     } else {
-        ss = norm_block_sum(acc);
+#ifdef NORM_ONE_BARRIER
+        bool stop;
+        ss = os_block_sum(acc, ok, it & 1u, stop);
+        return !stop;
+#else
+        ss = norm_block_sum(acc, it & 1u);
         return !__syncthreads_or(ok ? 0 : 1);
+#endif
     }
 }
 
@@ -855,15 +885,33 @@ __device__ __forceinline__ bool os_fused_row(const OsCall& c,
         uint4 sum;
         ok = os_sum<E, MP, G>(c, u, o, v, sum);
         if (ok) {
+#ifdef OS_PROBE_BARE
+            *reinterpret_cast<uint4*>(xr + j * E::PER) = sum;
+#else
             uint4* at = reinterpret_cast<uint4*>(rr + j * E::PER);
             *at = norm_add<N>(sum, *at, acc);
+#endif
         }
     }
+#ifdef OS_PROBE_BARE
+    return ok;
+#endif
     float ss;
+#ifdef OS_PROBE_NOSUM
+    ss = acc;
+    if (!ok) {
+        return false;
+    }
+#else
     if (!os_row_sum<CL>(acc, ok, it, ss)) {
         return false;
     }
+#endif
+#ifdef OS_PROBE_NOINV
+    const float inv = ss;
+#else
     const float inv = norm_inv(ss, hidden, eps);
+#endif
     for (unsigned int j = S::t(); j < units_row; j += S::n()) {
         const uint4 r = *reinterpret_cast<const uint4*>(rr + j * E::PER);
         const uint4 w = *reinterpret_cast<const uint4*>(weight + j * E::PER);
@@ -917,16 +965,34 @@ __device__ __forceinline__ bool os_fused_row_regs(const OsCall& c,
             uint4 sum;
             ok = os_sum<E, MP, G>(c, u, o, v, sum);
             if (ok) {
+#ifdef OS_PROBE_BARE
+                *reinterpret_cast<uint4*>(xr + j * E::PER) = sum;
+#else
                 r[k] = norm_add<N>(sum, old, acc);
                 *reinterpret_cast<uint4*>(rr + j * E::PER) = r[k];
+#endif
             }
         }
     }
+#ifdef OS_PROBE_BARE
+    return ok;
+#endif
     float ss;
+#ifdef OS_PROBE_NOSUM
+    ss = acc;
+    if (!ok) {
+        return false;
+    }
+#else
     if (!os_row_sum<CL>(acc, ok, it, ss)) {
         return false;
     }
+#endif
+#ifdef OS_PROBE_NOINV
+    const float inv = ss;
+#else
     const float inv = norm_inv(ss, hidden, eps);
+#endif
 #pragma unroll
     for (unsigned int k = 0; k < OS_ROW_REGS; ++k) {
         const unsigned int j = S::t() + k * S::n();
