@@ -90,6 +90,18 @@
 //   shared memory: static only.
 // Peer memory is reached with plain volatile loads and stores (over NVLink
 // between the GPUs of one node); no multicast, no multimem.
+//
+// Uncommitted builds (`cargo xtask ptx --variants DIR`; the committed PTX
+// defines none of these, which `cargo xtask ptx --check` proves):
+//   NORM_ONE_BARRIER  the one-block fused entries sum a row's squares and
+//                     its stop flags behind one barrier (os_block_sum), and
+//                     the separate kernel its squares (norm.cuh): the same
+//                     bits, for timing against the committed build;
+//   OS_PROBE_NOSUM    timing probes of the fused entries, wrong results
+//   OS_PROBE_NOINV    (norm_local with METRALE_NORM_LOCAL_NO_CHECK=1): no
+//   OS_PROBE_BARE     block sum (a thread's own squares), no inverse root
+//                     (the sum itself), or no norm at all (the sums are
+//                     stored into x and the residual is left alone).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
