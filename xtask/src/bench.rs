@@ -337,26 +337,28 @@ if [ "$norm" = 1 ]; then
     "$here/norm_local" --bench "${base[@]}" 2>&1 | tee "$out/norm-local$suffix.log" || status=1
 fi
 if [ -n "$variants" ]; then
-    # Graph replays up to 32 tokens: the fused kernel (and the plain
-    # one-shot) at 2, 4 and 8 simulated ranks, and the separate kernel.
-    vf='norm_local/graph/(k[248]/(fused|one_shot)/(1x4096|1x8192|8x8192|32x4096|32x8192)|norm/[0-9]+x[0-9]+)$'
+    # Graph replays up to 32 tokens: the fused kernel at 2, 4 and 8
+    # simulated ranks, and the separate kernel; the plain one-shot (the
+    # same in every build) in the first run only.
+    shapes='(1x4096|1x8192|8x8192|32x4096|32x8192)'
+    vf="norm_local/graph/(k[248]/fused/$shapes|norm/[0-9]+x[0-9]+)\$"
     runs=()
     vrun() {
-        local name=$1; shift
+        local name=$1 filter=$2; shift 2
         runs+=("$name")
         env "$@" "$here/norm_local" --bench --noplot --sample-size 10 --measurement-time 0.5 \
-            --warm-up-time 0.1 "$vf" >"$out/norm-variant-$name.log" 2>&1 || status=1
+            --warm-up-time 0.1 "$filter" >"$out/norm-variant-$name.log" 2>&1 || status=1
     }
-    vrun committed
+    vrun committed "norm_local/graph/(k[248]/(fused|one_shot)/$shapes|norm/[0-9]+x[0-9]+)\$"
     for p in "$variants"/one_shot-*.ptx; do
         [ -f "$p" ] || continue
         name=$(basename "$p" .ptx); name=${name#one_shot-}
         envs=(METRALE_ONE_SHOT_PTX="$p")
         [ -f "$variants/add_rms_norm-$name.ptx" ] && envs+=(METRALE_NORM_PTX="$variants/add_rms_norm-$name.ptx")
         case "$name" in probe-*) envs+=(METRALE_NORM_LOCAL_NO_CHECK=1) ;; esac
-        vrun "$name" "${envs[@]}"
+        vrun "$name" "$vf" "${envs[@]}"
     done
-    vrun committed-again
+    vrun committed-again "$vf"
     # One row a benchmark, one column a run: criterion's median estimate, µs.
     for r in "${runs[@]}"; do
         awk -v run="$r" '/^norm_local\//{id=$1} /time:/{for (i=1;i<=NF;i++) if ($i=="time:") t=i; if (id!="") {v=$(t+3); u=$(t+4); if (u=="ns") v/=1000; if (u=="ms") v*=1000; print run, id, v; id=""}}' "$out/norm-variant-$r.log"
