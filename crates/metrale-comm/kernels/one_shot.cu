@@ -852,6 +852,33 @@ __device__ __forceinline__ bool os_row_sum(float acc, bool ok, unsigned int it, 
     }
 }
 
+// Steps 3 and 4 of a row: its sum of squares over its threads
+// (os_row_sum) and the scale 1 / sqrt(ss / hidden + eps) in `inv`; false
+// when the call stopped. (The probes OS_PROBE_NOSUM and OS_PROBE_NOINV
+// leave out one step each.)
+template <bool CL>
+__device__ __forceinline__ bool os_row_inv(float acc, bool ok, unsigned int it,
+                                           unsigned int hidden, float eps, float& inv)
+{
+    float ss;
+#ifdef OS_PROBE_NOSUM
+    ss = acc;
+    if (!ok) {
+        return false;
+    }
+#else
+    if (!os_row_sum<CL>(acc, ok, it, ss)) {
+        return false;
+    }
+#endif
+#ifdef OS_PROBE_NOINV
+    inv = ss;
+#else
+    inv = norm_inv(ss, hidden, eps);
+#endif
+    return true;
+}
+
 // A cluster entry's arrival at its start, and its one wait for every
 // block's (os_cluster_arrive); nothing in the one-block entries.
 template <bool CL>
@@ -908,22 +935,10 @@ __device__ __forceinline__ bool os_fused_row(const OsCall& c,
 #ifdef OS_PROBE_BARE
     return ok;
 #endif
-    float ss;
-#ifdef OS_PROBE_NOSUM
-    ss = acc;
-    if (!ok) {
+    float inv;
+    if (!os_row_inv<CL>(acc, ok, it, hidden, eps, inv)) {
         return false;
     }
-#else
-    if (!os_row_sum<CL>(acc, ok, it, ss)) {
-        return false;
-    }
-#endif
-#ifdef OS_PROBE_NOINV
-    const float inv = ss;
-#else
-    const float inv = norm_inv(ss, hidden, eps);
-#endif
     for (unsigned int j = S::t(); j < units_row; j += S::n()) {
         const uint4 r = *reinterpret_cast<const uint4*>(rr + j * E::PER);
         const uint4 w = *reinterpret_cast<const uint4*>(weight + j * E::PER);
@@ -989,22 +1004,10 @@ __device__ __forceinline__ bool os_fused_row_regs(const OsCall& c,
 #ifdef OS_PROBE_BARE
     return ok;
 #endif
-    float ss;
-#ifdef OS_PROBE_NOSUM
-    ss = acc;
-    if (!ok) {
+    float inv;
+    if (!os_row_inv<CL>(acc, ok, it, hidden, eps, inv)) {
         return false;
     }
-#else
-    if (!os_row_sum<CL>(acc, ok, it, ss)) {
-        return false;
-    }
-#endif
-#ifdef OS_PROBE_NOINV
-    const float inv = ss;
-#else
-    const float inv = norm_inv(ss, hidden, eps);
-#endif
 #pragma unroll
     for (unsigned int k = 0; k < OS_ROW_REGS; ++k) {
         const unsigned int j = S::t() + k * S::n();
