@@ -137,6 +137,13 @@ const VARIANTS: &[(&str, Build)] = &[
         ),
     ),
     (
+        "probe-nosum",
+        variant(
+            "crates/metrale-comm/kernels/add_rms_norm.cu",
+            &["NORM_PROBE_NOSUM"],
+        ),
+    ),
+    (
         "probe-noinv",
         variant(
             "crates/metrale-comm/kernels/one_shot.cu",
@@ -144,10 +151,24 @@ const VARIANTS: &[(&str, Build)] = &[
         ),
     ),
     (
+        "probe-noinv",
+        variant(
+            "crates/metrale-comm/kernels/add_rms_norm.cu",
+            &["NORM_PROBE_NOINV"],
+        ),
+    ),
+    (
         "probe-bare",
         variant(
             "crates/metrale-comm/kernels/one_shot.cu",
             &["OS_PROBE_BARE"],
+        ),
+    ),
+    (
+        "probe-bare",
+        variant(
+            "crates/metrale-comm/kernels/add_rms_norm.cu",
+            &["NORM_PROBE_BARE"],
         ),
     ),
 ];

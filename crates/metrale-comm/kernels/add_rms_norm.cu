@@ -30,6 +30,13 @@
 // is written in the first pass and read back by the same thread in the
 // second (no register limit on hidden). Vector loads when a row's address
 // is 16-byte aligned.
+//
+// Uncommitted builds (`cargo xtask ptx --variants DIR`; the committed PTX
+// defines none of these, which `cargo xtask ptx --check` proves):
+// NORM_ONE_BARRIER (norm.cuh) sums a row behind one barrier, the same
+// bits; the timing probes NORM_PROBE_NOSUM, NORM_PROBE_NOINV and
+// NORM_PROBE_BARE (wrong results) leave out the block sum, the inverse
+// root, or the whole norm (x gets the new residual).
 
 #include "abi.h"
 #include "norm.cuh"
@@ -39,6 +46,28 @@ extern "C" __device__ const unsigned long long metrale_kernel_abi = METRALE_KERN
 
 // The chunks a thread holds in registers across a row's two passes.
 constexpr unsigned int REG_CHUNKS = 2u;
+
+// Steps 3 and 4 of a row: the block's sum of the squares and the scale
+// 1 / sqrt(ss / hidden + eps). The timing probes NORM_PROBE_NOSUM and
+// NORM_PROBE_NOINV (`cargo xtask ptx --variants`; wrong results, never
+// committed) leave out one step each.
+__device__ __forceinline__ float norm_row_inv(float acc, unsigned int hidden, float eps,
+                                              unsigned int par)
+{
+#ifdef NORM_PROBE_NOSUM
+    (void)par;
+    const float ss = acc;
+#else
+    const float ss = norm_block_sum(acc, par);
+#endif
+#ifdef NORM_PROBE_NOINV
+    (void)hidden;
+    (void)eps;
+    return ss;
+#else
+    return norm_inv(ss, hidden, eps);
+#endif
+}
 
 // A row of at most REG_CHUNKS chunks a thread: every load of the row
 // (x, the residual, the weight) goes out before the first store, and the
@@ -76,7 +105,21 @@ __device__ __forceinline__ void norm_row_in_registers(typename E::Bits* xr, type
             norm_store<E>(rr, hidden, j, vec, res[c]);
         }
     }
-    const float inv = norm_inv(norm_block_sum(acc, par), hidden, eps);
+#ifdef NORM_PROBE_BARE
+    // The probe NORM_PROBE_BARE: the row's loads, add and stores, no norm.
+#pragma unroll
+    for (unsigned int c = 0; c < REG_CHUNKS; ++c) {
+        const unsigned int j = threadIdx.x + c * blockDim.x;
+        if (j < chunks) {
+            norm_store<E>(xr, hidden, j, vec, res[c]);
+        }
+    }
+    (void)w;
+    (void)eps;
+    (void)par;
+    return;
+#endif
+    const float inv = norm_row_inv(acc, hidden, eps, par);
 #pragma unroll
     for (unsigned int c = 0; c < REG_CHUNKS; ++c) {
         const unsigned int j = threadIdx.x + c * blockDim.x;
@@ -114,7 +157,7 @@ __device__ __forceinline__ void norm_rows(typename E::Bits* x, typename E::Bits*
             const uint4 res = norm_load<E>(rr, hidden, j, vec);
             norm_store<E>(rr, hidden, j, vec, norm_add<E>(s, res, acc));
         }
-        const float inv = norm_inv(norm_block_sum(acc, par), hidden, eps);
+        const float inv = norm_row_inv(acc, hidden, eps, par);
         for (unsigned int j = threadIdx.x; j < chunks; j += blockDim.x) {
             const uint4 r = norm_load<E>(rr, hidden, j, vec);
             const uint4 w = norm_load<E>(weight, hidden, j, wvec && vec);
