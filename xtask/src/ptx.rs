@@ -171,6 +171,27 @@ const VARIANTS: &[(&str, Build)] = &[
             &["NORM_PROBE_BARE"],
         ),
     ),
+    (
+        "probe-k2only",
+        variant(
+            "crates/metrale-comm/kernels/one_shot.cu",
+            &["OS_FUSED_WORLD=2"],
+        ),
+    ),
+    (
+        "probe-k4only",
+        variant(
+            "crates/metrale-comm/kernels/one_shot.cu",
+            &["OS_FUSED_WORLD=4"],
+        ),
+    ),
+    (
+        "probe-k8only",
+        variant(
+            "crates/metrale-comm/kernels/one_shot.cu",
+            &["OS_FUSED_WORLD=8"],
+        ),
+    ),
 ];
 
 /// A variant of `src` for sm_80, with `defines` (its output is named

@@ -101,7 +101,10 @@
 //   OS_PROBE_NOINV    (norm_local with METRALE_NORM_LOCAL_NO_CHECK=1): no
 //   OS_PROBE_BARE     block sum (a thread's own squares), no inverse root
 //                     (the sum itself), or no norm at all (the sums are
-//                     stored into x and the residual is left alone).
+//                     stored into x and the residual is left alone);
+//   OS_FUSED_WORLD=k  timing probes: the fused entries compute rows at one
+//                     class of worlds only (2, 4: 3-4 ranks, 8: 5-8), no
+//                     code for the others (os_fused_world).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -1018,6 +1021,20 @@ __device__ __forceinline__ bool os_fused_row_regs(const OsCall& c,
     return true;
 }
 
+// Whether this build's fused entries compute rows at worlds of class `k`
+// (2: two ranks, 4: three or four, 8: five to eight): every class, but in
+// the timing probes OS_FUSED_WORLD=k (wrong results at the other worlds),
+// which show what the other classes' code costs the one measured.
+__device__ __forceinline__ constexpr bool os_fused_world(unsigned int k)
+{
+#ifdef OS_FUSED_WORLD
+    return k == OS_FUSED_WORLD;
+#else
+    (void)k;
+    return true;
+#endif
+}
+
 template <class E, class N, bool CL>
 __device__ __forceinline__ void os_fused(OsCtrl* ctrl, typename E::Bits* x, typename E::Bits* res,
                                          const typename E::Bits* weight,
@@ -1153,20 +1170,30 @@ __device__ __forceinline__ void os_fused(OsCtrl* ctrl, typename E::Bits* x, type
     for (unsigned int row = S::first(); ok && row < rows; row += S::step(), ++it) {
         if (regs) {
             if (c.world == 2u) {
-                ok = os_fused_row_regs<E, N, 1, 1, CL>(c, x, res, weight, row, it, units_row,
-                                                       hidden, eps);
+                if (os_fused_world(2u)) {
+                    ok = os_fused_row_regs<E, N, 1, 1, CL>(c, x, res, weight, row, it,
+                                                           units_row, hidden, eps);
+                }
             } else if (c.world <= 4u) {
-                ok = os_fused_row<E, N, 3, 3, CL>(c, x, res, weight, row, it, units_row, hidden,
-                                                  eps);
-            } else {
+                if (os_fused_world(4u)) {
+                    ok = os_fused_row<E, N, 3, 3, CL>(c, x, res, weight, row, it, units_row,
+                                                      hidden, eps);
+                }
+            } else if (os_fused_world(8u)) {
                 ok = os_fused_row<E, N, 7, 4, CL>(c, x, res, weight, row, it, units_row, hidden,
                                                   eps);
             }
         } else if (c.world == 2u) {
-            ok = os_fused_row<E, N, 1, 1, CL>(c, x, res, weight, row, it, units_row, hidden, eps);
+            if (os_fused_world(2u)) {
+                ok = os_fused_row<E, N, 1, 1, CL>(c, x, res, weight, row, it, units_row, hidden,
+                                                  eps);
+            }
         } else if (c.world <= 4u) {
-            ok = os_fused_row<E, N, 3, 3, CL>(c, x, res, weight, row, it, units_row, hidden, eps);
-        } else {
+            if (os_fused_world(4u)) {
+                ok = os_fused_row<E, N, 3, 3, CL>(c, x, res, weight, row, it, units_row, hidden,
+                                                  eps);
+            }
+        } else if (os_fused_world(8u)) {
             ok = os_fused_row<E, N, 7, 4, CL>(c, x, res, weight, row, it, units_row, hidden, eps);
         }
     }
