@@ -192,6 +192,17 @@ const VARIANTS: &[(&str, Build)] = &[
             &["OS_FUSED_WORLD=8"],
         ),
     ),
+    (
+        "pack2",
+        variant("crates/metrale-comm/kernels/one_shot.cu", &["NORM_PACK2"]),
+    ),
+    (
+        "pack2",
+        variant(
+            "crates/metrale-comm/kernels/add_rms_norm.cu",
+            &["NORM_PACK2"],
+        ),
+    ),
 ];
 
 /// A variant of `src` for sm_80, with `defines` (its output is named

@@ -26,6 +26,13 @@ struct NormBf16 {
     {
         return __bfloat16_as_ushort(__float2bfloat16_rn(x));
     }
+    // `lo` and `hi` rounded, packed: lo in the low 16 bits.
+    static __device__ __forceinline__ unsigned int r2(float lo, float hi)
+    {
+        const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        return (unsigned int)__bfloat16_as_ushort(v.x) |
+               ((unsigned int)__bfloat16_as_ushort(v.y) << 16);
+    }
 };
 
 struct NormF16 {
@@ -38,6 +45,12 @@ struct NormF16 {
     static __device__ __forceinline__ unsigned int r(float x)
     {
         return __half_as_ushort(__float2half_rn(x));
+    }
+    // `lo` and `hi` rounded, packed: lo in the low 16 bits.
+    static __device__ __forceinline__ unsigned int r2(float lo, float hi)
+    {
+        const __half2 v = __floats2half2_rn(lo, hi);
+        return (unsigned int)__half_as_ushort(v.x) | ((unsigned int)__half_as_ushort(v.y) << 16);
     }
 };
 
@@ -117,6 +130,27 @@ __device__ __forceinline__ void norm_store(typename E::Bits* row, unsigned int h
 template <class E>
 __device__ __forceinline__ uint4 norm_add(uint4 s, uint4 res, float& acc)
 {
+#ifdef NORM_PACK2
+    if constexpr (E::PER == 8) {
+        // The variant `pack2`: a word's two values rounded by one packing
+        // conversion, the squares read back from the packed word; the same
+        // bits (each value rounded to nearest even alone, in element order).
+        const unsigned int sw[4] = {s.x, s.y, s.z, s.w};
+        const unsigned int rw[4] = {res.x, res.y, res.z, res.w};
+        unsigned int o[4];
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const float lo = __fadd_rn(E::f(sw[m] & 0xFFFFu), E::f(rw[m] & 0xFFFFu));
+            const float hi = __fadd_rn(E::f(sw[m] >> 16), E::f(rw[m] >> 16));
+            o[m] = E::r2(lo, hi);
+            const float x0 = E::f(o[m] & 0xFFFFu);
+            const float x1 = E::f(o[m] >> 16);
+            acc = __fadd_rn(acc, __fmul_rn(x0, x0));
+            acc = __fadd_rn(acc, __fmul_rn(x1, x1));
+        }
+        return make_uint4(o[0], o[1], o[2], o[3]);
+    }
+#endif
     uint4 r = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
     for (int k = 0; k < E::PER; ++k) {
