@@ -203,6 +203,20 @@ const VARIANTS: &[(&str, Build)] = &[
             &["NORM_PACK2"],
         ),
     ),
+    (
+        "probe-empty",
+        variant(
+            "crates/metrale-comm/kernels/one_shot.cu",
+            &["OS_PROBE_EMPTY"],
+        ),
+    ),
+    (
+        "probe-empty",
+        variant(
+            "crates/metrale-comm/kernels/add_rms_norm.cu",
+            &["NORM_PROBE_EMPTY"],
+        ),
+    ),
 ];
 
 /// A variant of `src` for sm_80, with `defines` (its output is named

@@ -34,9 +34,10 @@
 // Uncommitted builds (`cargo xtask ptx --variants DIR`; the committed PTX
 // defines none of these, which `cargo xtask ptx --check` proves):
 // NORM_ONE_BARRIER (norm.cuh) sums a row behind one barrier, the same
-// bits; the timing probes NORM_PROBE_NOSUM, NORM_PROBE_NOINV and
-// NORM_PROBE_BARE (wrong results) leave out the block sum, the inverse
-// root, or the whole norm (x gets the new residual).
+// bits; the timing probes NORM_PROBE_NOSUM, NORM_PROBE_NOINV,
+// NORM_PROBE_BARE and NORM_PROBE_EMPTY (wrong results) leave out the block
+// sum, the inverse root, the whole norm (x gets the new residual), or
+// everything (the launch alone).
 
 #include "abi.h"
 #include "norm.cuh"
@@ -138,6 +139,9 @@ __device__ __forceinline__ void norm_rows(typename E::Bits* x, typename E::Bits*
     if ((blockDim.x & 31u) != 0u || hidden64 == 0ull || hidden64 > NORM_MAX_HIDDEN) {
         return;
     }
+#ifdef NORM_PROBE_EMPTY
+    return;
+#endif
     const unsigned int hidden = (unsigned int)hidden64;
     const unsigned int chunks = (hidden + E::PER - 1u) / E::PER;
     const bool wvec = (reinterpret_cast<unsigned long long>(weight) & 15ull) == 0ull;

@@ -102,6 +102,8 @@
 //   OS_PROBE_BARE     block sum (a thread's own squares), no inverse root
 //                     (the sum itself), or no norm at all (the sums are
 //                     stored into x and the residual is left alone);
+//   OS_PROBE_EMPTY    a timing probe: the fused entries return at once
+//                     (the launch alone);
 //   OS_FUSED_WORLD=k  timing probes: the fused entries compute rows at one
 //                     class of worlds only (2, 4: 3-4 ranks, 8: 5-8), no
 //                     code for the others (os_fused_world).
@@ -1047,6 +1049,9 @@ __device__ __forceinline__ void os_fused(OsCtrl* ctrl, typename E::Bits* x, type
     __shared__ unsigned long long s_t0;
 
     typedef OsSplit<CL> S;
+#ifdef OS_PROBE_EMPTY
+    return;
+#endif
     os_cluster_begin<CL>();
     OsCall c;
     c.ctrl = ctrl;
