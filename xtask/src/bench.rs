@@ -355,6 +355,7 @@ if [ -n "$variants" ]; then
         name=$(basename "$p" .ptx); name=${name#one_shot-}
         envs=(METRALE_ONE_SHOT_PTX="$p")
         [ -f "$variants/add_rms_norm-$name.ptx" ] && envs+=(METRALE_NORM_PTX="$variants/add_rms_norm-$name.ptx")
+        [ -f "$variants/one_shot_sm90-$name.ptx" ] && envs+=(METRALE_ONE_SHOT_SM90_PTX="$variants/one_shot_sm90-$name.ptx")
         case "$name" in probe-*) envs+=(METRALE_NORM_LOCAL_NO_CHECK=1) ;; esac
         vrun "$name" "$vf" "${envs[@]}"
     done

@@ -110,7 +110,8 @@ const KERNELS: &[Build] = &[
 
 /// Builds of the kernels that are never committed, each named: variants to
 /// time against the committed PTX (`norm_local` loads them through
-/// `METRALE_ONE_SHOT_PTX` and `METRALE_NORM_PTX`), and probes that leave a
+/// `METRALE_ONE_SHOT_PTX`, `METRALE_ONE_SHOT_SM90_PTX` and
+/// `METRALE_NORM_PTX`, as does the suite's `norm_kernel` scenario), and probes that leave a
 /// phase out to show what it costs (wrong results: time them with
 /// `METRALE_NORM_LOCAL_NO_CHECK=1`). The macros are documented where the
 /// kernels test them.
@@ -204,6 +205,17 @@ const VARIANTS: &[(&str, Build)] = &[
         ),
     ),
     (
+        "pack2",
+        Build {
+            src: "crates/metrale-comm/kernels/one_shot.cu",
+            dst: "crates/metrale-comm/kernels/one_shot_sm90.ptx",
+            arch: "compute_90",
+            isa: PTX_ISA_SM90,
+            check_arch: "sm_90",
+            defines: &["OS_CLUSTER", "NORM_PACK2"],
+        },
+    ),
+    (
         "probe-empty",
         variant(
             "crates/metrale-comm/kernels/one_shot.cu",
@@ -219,8 +231,8 @@ const VARIANTS: &[(&str, Build)] = &[
     ),
 ];
 
-/// A variant of `src` for sm_80, with `defines` (its output is named
-/// after `src`, not written beside it).
+/// A variant of `src` for sm_80, with `defines` (its output, `STEM-NAME.ptx`
+/// in the directory given, is named after `dst`, here `src`).
 const fn variant(src: &'static str, defines: &'static [&'static str]) -> Build {
     Build {
         src,
@@ -289,10 +301,10 @@ fn variants(dir: &Path) -> Result<i32> {
         let out_dir = root.join("target/xtask-cache/ptx-variants").join(name);
         std::fs::create_dir_all(&out_dir)?;
         let text = compile(&nvcc, &root, b, &out_dir)?;
-        let stem = Path::new(b.src)
+        let stem = Path::new(b.dst)
             .file_stem()
             .and_then(|s| s.to_str())
-            .context("kernel source without a name")?;
+            .context("kernel output without a name")?;
         let to = dir.join(format!("{stem}-{name}.ptx"));
         std::fs::write(&to, text).with_context(|| format!("writing {}", to.display()))?;
         println!(
