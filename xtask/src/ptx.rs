@@ -94,14 +94,7 @@ const KERNELS: &[Build] = &[
         "crates/metrale-comm/kernels/one_shot.cu",
         "crates/metrale-comm/kernels/one_shot.ptx",
     ),
-    Build {
-        src: "crates/metrale-comm/kernels/one_shot.cu",
-        dst: "crates/metrale-comm/kernels/one_shot_sm90.ptx",
-        arch: "compute_90",
-        isa: PTX_ISA_SM90,
-        check_arch: "sm_90",
-        defines: &["OS_CLUSTER"],
-    },
+    cluster(&["OS_CLUSTER"]),
     build(
         "crates/metrale-comm/kernels/add_rms_norm.cu",
         "crates/metrale-comm/kernels/add_rms_norm.ptx",
@@ -204,17 +197,7 @@ const VARIANTS: &[(&str, Build)] = &[
             &["NORM_PACK2"],
         ),
     ),
-    (
-        "pack2",
-        Build {
-            src: "crates/metrale-comm/kernels/one_shot.cu",
-            dst: "crates/metrale-comm/kernels/one_shot_sm90.ptx",
-            arch: "compute_90",
-            isa: PTX_ISA_SM90,
-            check_arch: "sm_90",
-            defines: &["OS_CLUSTER", "NORM_PACK2"],
-        },
-    ),
+    ("pack2", cluster(&["OS_CLUSTER", "NORM_PACK2"])),
     (
         "probe-empty",
         variant(
@@ -230,6 +213,19 @@ const VARIANTS: &[(&str, Build)] = &[
         ),
     ),
 ];
+
+/// The cluster entries' module (`one_shot.cu` for sm_90, `defines` with
+/// `OS_CLUSTER`), committed or a variant.
+const fn cluster(defines: &'static [&'static str]) -> Build {
+    Build {
+        src: "crates/metrale-comm/kernels/one_shot.cu",
+        dst: "crates/metrale-comm/kernels/one_shot_sm90.ptx",
+        arch: "compute_90",
+        isa: PTX_ISA_SM90,
+        check_arch: "sm_90",
+        defines,
+    }
+}
 
 /// A variant of `src` for sm_80, with `defines` (its output, `STEM-NAME.ptx`
 /// in the directory given, is named after `dst`, here `src`).
