@@ -36,8 +36,8 @@
 // NORM_ONE_BARRIER (norm.cuh) sums a row behind one barrier, the same
 // bits; the timing probes NORM_PROBE_NOSUM, NORM_PROBE_NOINV,
 // NORM_PROBE_BARE and NORM_PROBE_EMPTY (wrong results) leave out the block
-// sum, the inverse root, the whole norm (x gets the new residual), or
-// everything (the launch alone).
+// sum, the inverse root, the whole norm of a row held in registers (x
+// gets the new residual), or everything (the launch alone).
 
 #include "abi.h"
 #include "norm.cuh"
