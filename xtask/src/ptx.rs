@@ -84,19 +84,20 @@ const WHEELS: &[(&str, &str)] = &[
 /// The kernels' ABI header, generated from `crates/kernel-abi`.
 const ABI_HEADER: &str = "crates/metrale-comm/kernels/abi.h";
 
+/// The sources that more than one build compiles.
+const ONE_SHOT_CU: &str = "crates/metrale-comm/kernels/one_shot.cu";
+const ADD_RMS_NORM_CU: &str = "crates/metrale-comm/kernels/add_rms_norm.cu";
+
 /// The kernels' builds, paths relative to the workspace root.
 const KERNELS: &[Build] = &[
     build(
         "crates/metrale-comm/kernels/bf16_add.cu",
         "crates/metrale-comm/kernels/bf16_add.ptx",
     ),
-    build(
-        "crates/metrale-comm/kernels/one_shot.cu",
-        "crates/metrale-comm/kernels/one_shot.ptx",
-    ),
+    build(ONE_SHOT_CU, "crates/metrale-comm/kernels/one_shot.ptx"),
     cluster(&["OS_CLUSTER"]),
     build(
-        "crates/metrale-comm/kernels/add_rms_norm.cu",
+        ADD_RMS_NORM_CU,
         "crates/metrale-comm/kernels/add_rms_norm.ptx",
     ),
 ];
@@ -104,113 +105,38 @@ const KERNELS: &[Build] = &[
 /// Builds of the kernels that are never committed, each named: variants to
 /// time against the committed PTX (`norm_local` loads them through
 /// `METRALE_ONE_SHOT_PTX`, `METRALE_ONE_SHOT_SM90_PTX` and
-/// `METRALE_NORM_PTX`, as does the suite's `norm_kernel` scenario), and probes that leave a
-/// phase out to show what it costs (wrong results: time them with
-/// `METRALE_NORM_LOCAL_NO_CHECK=1`). The macros are documented where the
+/// `METRALE_NORM_PTX`, as does the suite's `norm_kernel` scenario), and
+/// probes that leave a phase out to show what it costs (wrong results:
+/// time them with `METRALE_NORM_LOCAL_NO_CHECK=1`). The macros are documented where the
 /// kernels test them.
 const VARIANTS: &[(&str, Build)] = &[
+    ("one-barrier", variant(ONE_SHOT_CU, &["NORM_ONE_BARRIER"])),
     (
         "one-barrier",
-        variant(
-            "crates/metrale-comm/kernels/one_shot.cu",
-            &["NORM_ONE_BARRIER"],
-        ),
+        variant(ADD_RMS_NORM_CU, &["NORM_ONE_BARRIER"]),
     ),
-    (
-        "one-barrier",
-        variant(
-            "crates/metrale-comm/kernels/add_rms_norm.cu",
-            &["NORM_ONE_BARRIER"],
-        ),
-    ),
+    ("probe-nosum", variant(ONE_SHOT_CU, &["OS_PROBE_NOSUM"])),
     (
         "probe-nosum",
-        variant(
-            "crates/metrale-comm/kernels/one_shot.cu",
-            &["OS_PROBE_NOSUM"],
-        ),
+        variant(ADD_RMS_NORM_CU, &["NORM_PROBE_NOSUM"]),
     ),
-    (
-        "probe-nosum",
-        variant(
-            "crates/metrale-comm/kernels/add_rms_norm.cu",
-            &["NORM_PROBE_NOSUM"],
-        ),
-    ),
+    ("probe-noinv", variant(ONE_SHOT_CU, &["OS_PROBE_NOINV"])),
     (
         "probe-noinv",
-        variant(
-            "crates/metrale-comm/kernels/one_shot.cu",
-            &["OS_PROBE_NOINV"],
-        ),
+        variant(ADD_RMS_NORM_CU, &["NORM_PROBE_NOINV"]),
     ),
-    (
-        "probe-noinv",
-        variant(
-            "crates/metrale-comm/kernels/add_rms_norm.cu",
-            &["NORM_PROBE_NOINV"],
-        ),
-    ),
-    (
-        "probe-bare",
-        variant(
-            "crates/metrale-comm/kernels/one_shot.cu",
-            &["OS_PROBE_BARE"],
-        ),
-    ),
-    (
-        "probe-bare",
-        variant(
-            "crates/metrale-comm/kernels/add_rms_norm.cu",
-            &["NORM_PROBE_BARE"],
-        ),
-    ),
-    (
-        "probe-k2only",
-        variant(
-            "crates/metrale-comm/kernels/one_shot.cu",
-            &["OS_FUSED_WORLD=2"],
-        ),
-    ),
-    (
-        "probe-k4only",
-        variant(
-            "crates/metrale-comm/kernels/one_shot.cu",
-            &["OS_FUSED_WORLD=4"],
-        ),
-    ),
-    (
-        "probe-k8only",
-        variant(
-            "crates/metrale-comm/kernels/one_shot.cu",
-            &["OS_FUSED_WORLD=8"],
-        ),
-    ),
-    (
-        "pack2",
-        variant("crates/metrale-comm/kernels/one_shot.cu", &["NORM_PACK2"]),
-    ),
-    (
-        "pack2",
-        variant(
-            "crates/metrale-comm/kernels/add_rms_norm.cu",
-            &["NORM_PACK2"],
-        ),
-    ),
+    ("probe-bare", variant(ONE_SHOT_CU, &["OS_PROBE_BARE"])),
+    ("probe-bare", variant(ADD_RMS_NORM_CU, &["NORM_PROBE_BARE"])),
+    ("probe-k2only", variant(ONE_SHOT_CU, &["OS_FUSED_WORLD=2"])),
+    ("probe-k4only", variant(ONE_SHOT_CU, &["OS_FUSED_WORLD=4"])),
+    ("probe-k8only", variant(ONE_SHOT_CU, &["OS_FUSED_WORLD=8"])),
+    ("pack2", variant(ONE_SHOT_CU, &["NORM_PACK2"])),
+    ("pack2", variant(ADD_RMS_NORM_CU, &["NORM_PACK2"])),
     ("pack2", cluster(&["OS_CLUSTER", "NORM_PACK2"])),
+    ("probe-empty", variant(ONE_SHOT_CU, &["OS_PROBE_EMPTY"])),
     (
         "probe-empty",
-        variant(
-            "crates/metrale-comm/kernels/one_shot.cu",
-            &["OS_PROBE_EMPTY"],
-        ),
-    ),
-    (
-        "probe-empty",
-        variant(
-            "crates/metrale-comm/kernels/add_rms_norm.cu",
-            &["NORM_PROBE_EMPTY"],
-        ),
+        variant(ADD_RMS_NORM_CU, &["NORM_PROBE_EMPTY"]),
     ),
 ];
 
@@ -218,7 +144,7 @@ const VARIANTS: &[(&str, Build)] = &[
 /// `OS_CLUSTER`), committed or a variant.
 const fn cluster(defines: &'static [&'static str]) -> Build {
     Build {
-        src: "crates/metrale-comm/kernels/one_shot.cu",
+        src: ONE_SHOT_CU,
         dst: "crates/metrale-comm/kernels/one_shot_sm90.ptx",
         arch: "compute_90",
         isa: PTX_ISA_SM90,
