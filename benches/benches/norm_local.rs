@@ -38,12 +38,21 @@
 //! with `cargo xtask ptx` can be timed against the committed ones in one
 //! run on a box without Rust.
 //!
+//! `METRALE_NORM_PDL=1` launches the separate kernel (alone and after the
+//! one-shot) as a programmatic dependent launch
+//! (`norm::launch_add_rms_norm_programmatic`): only with a `METRALE_NORM_PTX`
+//! build that waits for the kernel before it, the sm_90 variant
+//! `add_rms_norm_sm90-pdl.ptx` (the bundle's `run.sh --norm-variants`
+//! passes both).
+//!
 //! `METRALE_NORM_LOCAL_NO_CHECK=1` skips the check below: for timing probes,
 //! kernels built to compute something else (a phase left out) to see what
 //! that phase costs; their numbers say nothing of a correct kernel.
 //!
-//! Invariants: every (k, shape) starts with one call of each fused kernel checked against
-//! the host reference bit for bit on every rank (unless the check is skipped, as above); timed calls run in place
+//! Invariants: every (k, shape) starts with one call of each fused kernel, and of the
+//! one-shot + separate kernel, checked against the host reference bit for bit on every
+//! rank, and the separate kernel alone with three chained calls, eager and in a graph
+//! (unless the check is skipped, as above); timed calls run in place
 //! (the GPU's time does not depend on the values); every wait is bounded;
 //! without a CUDA driver it prints one line and exits 0.
 
@@ -91,7 +100,27 @@ struct Kernels {
     cluster: Option<(Function, Module)>,
     plain: Function,
     norm: Function,
+    /// The separate kernel launches programmatically (`METRALE_NORM_PDL`).
+    pdl: bool,
     _m: (Module, Module),
+}
+
+impl Kernels {
+    /// The separate kernel's launch of `a` on `s`.
+    ///
+    /// # Safety
+    /// As `norm::launch_add_rms_norm`, with `self.norm` of `a.dtype`.
+    unsafe fn norm(&self, a: NormArgs, s: cuda_sys::CUstream) -> nccl_safe::Result<()> {
+        // SAFETY: this function's contract; a programmatic launch only when
+        // the user named a build that waits (METRALE_NORM_PDL's contract).
+        unsafe {
+            if self.pdl {
+                norm::launch_add_rms_norm_programmatic(&self.norm, a, s)
+            } else {
+                norm::launch_add_rms_norm(&self.norm, a, s)
+            }
+        }
+    }
 }
 
 /// Per rank its residual, and the weight.
@@ -146,7 +175,7 @@ fn call(
             )
             .and_then(|()| {
                 if v == Variant::OneShotNorm {
-                    norm::launch_add_rms_norm(&k.norm, a, s)
+                    k.norm(a, s)
                 } else {
                     Ok(())
                 }
@@ -219,8 +248,12 @@ fn norm_local(c: &mut Criterion) {
         norm: m2
             .function(norm::add_rms_norm_name(dt).unwrap_or_default())
             .expect("norm"),
+        pdl: std::env::var_os("METRALE_NORM_PDL").is_some_and(|v| v == "1"),
         _m: (m1, m2),
     };
+    if k.pdl {
+        println!("norm_local: METRALE_NORM_PDL=1: the separate kernel launches programmatically");
+    }
     let check = std::env::var_os("METRALE_NORM_LOCAL_NO_CHECK").is_none();
     if !check {
         println!("norm_local: METRALE_NORM_LOCAL_NO_CHECK is set: results are not checked");
@@ -251,7 +284,10 @@ fn norm_local(c: &mut Criterion) {
                     for tokens in TOKENS {
                         let shape = (hidden, tokens);
                         if check
-                            && matches!(v, Variant::Fused | Variant::FusedCluster)
+                            && matches!(
+                                v,
+                                Variant::Fused | Variant::FusedCluster | Variant::OneShotNorm
+                            )
                             && mode == "eager"
                         {
                             check_first(&mut g, &k, &mut t, v, shape);
@@ -283,7 +319,7 @@ fn norm_local(c: &mut Criterion) {
             }
         }
     }
-    norm_alone(c, &ctx, &k);
+    norm_alone(c, &ctx, &k, check);
 }
 
 /// One fused call (`v`) on every rank, checked against the host reference.
@@ -358,13 +394,24 @@ fn replay(g: &LocalOneShot<bf16>, execs: &[GraphExec], iters: u64) -> Duration {
         .mul_f64(iters as f64 / (launches * GRAPH_CALLS) as f64)
 }
 
-/// The separate kernel alone, one stream, eager and in graphs.
-fn norm_alone(c: &mut Criterion, ctx: &std::sync::Arc<Context>, k: &Kernels) {
+/// The separate kernel alone, one stream, eager and in graphs (checked
+/// first, when `check`).
+fn norm_alone(c: &mut Criterion, ctx: &std::sync::Arc<Context>, k: &Kernels, check: bool) {
     let n = 128 * 8192;
-    let x = DeviceBuffer::from_host(ctx, &vec![bf16::from_f32(0.5); n]).expect("x");
-    let r = DeviceBuffer::from_host(ctx, &vec![bf16::from_f32(0.25); n]).expect("residual");
-    let w = DeviceBuffer::from_host(ctx, &vec![bf16::from_f32(0.75); 8192]).expect("weight");
+    let mut x = DeviceBuffer::from_host(ctx, &vec![bf16::from_f32(0.5); n]).expect("x");
+    let mut r = DeviceBuffer::from_host(ctx, &vec![bf16::from_f32(0.25); n]).expect("residual");
+    let mut w = DeviceBuffer::from_host(ctx, &vec![bf16::from_f32(0.75); 8192]).expect("weight");
     let s = Stream::new(ctx).expect("stream");
+    if check {
+        check_chain(&mut x, &mut r, &mut w, &s, k);
+        // The timed calls' values as they were before the check.
+        x.copy_prefix_from_host(&vec![bf16::from_f32(0.5); n])
+            .expect("x");
+        r.copy_prefix_from_host(&vec![bf16::from_f32(0.25); n])
+            .expect("residual");
+        w.copy_prefix_from_host(&vec![bf16::from_f32(0.75); 8192])
+            .expect("weight");
+    }
     let launch = |hidden: usize, rows: usize| {
         let a = NormArgs {
             x: x.device_ptr(),
@@ -377,7 +424,7 @@ fn norm_alone(c: &mut Criterion, ctx: &std::sync::Arc<Context>, k: &Kernels) {
         };
         // SAFETY: the buffers hold 128 x 8192 values and a row of weight,
         // and outlive the work (waited for below); the stream is live.
-        unsafe { norm::launch_add_rms_norm(&k.norm, a, s.raw()) }.expect("launch");
+        unsafe { k.norm(a, s.raw()) }.expect("launch");
     };
     // The anchor: the driver's device-to-device copy of half the bytes the
     // kernel moves (a copy reads and writes each byte), same stream.
@@ -407,6 +454,85 @@ fn norm_alone(c: &mut Criterion, ctx: &std::sync::Arc<Context>, k: &Kernels) {
             }
             group.finish();
         }
+    }
+}
+
+/// Three chained calls of the separate kernel at 128 x 8192 (each reads
+/// what the one before wrote), eagerly and then as one graph replayed
+/// once, against the host reference bit for bit: the timed chains' order,
+/// a programmatic launch's wait included.
+fn check_chain(
+    x: &mut DeviceBuffer<bf16>,
+    r: &mut DeviceBuffer<bf16>,
+    w: &mut DeviceBuffer<bf16>,
+    s: &Stream,
+    k: &Kernels,
+) {
+    const ROWS: usize = 128;
+    const HIDDEN: usize = 8192;
+    let n = ROWS * HIDDEN;
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        bf16::from_f32(((seed >> 40) % 2001) as f32 / 500.0 - 2.0)
+    };
+    let x0: Vec<bf16> = (0..n).map(|_| next()).collect();
+    let r0: Vec<bf16> = (0..n).map(|_| next()).collect();
+    let w0: Vec<bf16> = (0..HIDDEN).map(|_| next()).collect();
+    let a = NormArgs {
+        x: x.device_ptr(),
+        residual: r.device_ptr(),
+        weight: w.device_ptr(),
+        hidden: HIDDEN,
+        rows: ROWS,
+        eps: EPS,
+        dtype: nccl_safe::DataType::Bfloat16,
+    };
+    let three = || {
+        for _ in 0..3 {
+            // SAFETY: the buffers hold ROWS x HIDDEN values and a row of
+            // weight and outlive the work (waited for below); the stream
+            // is live.
+            unsafe { k.norm(a, s.raw()) }.expect("launch");
+        }
+    };
+    for graph in [false, true] {
+        x.copy_prefix_from_host(&x0).expect("x");
+        r.copy_prefix_from_host(&r0).expect("residual");
+        w.copy_prefix_from_host(&w0).expect("weight");
+        if graph {
+            s.begin_capture().expect("capture");
+            three();
+            let exec = s
+                .end_capture()
+                .expect("end")
+                .instantiate()
+                .expect("instantiate");
+            exec.launch(s).expect("replay");
+            s.wait_until_idle(WAIT).expect("wait");
+        } else {
+            three();
+            s.wait_until_idle(WAIT).expect("wait");
+        }
+        let (mut want_x, mut want_r) = (x0.clone(), r0.clone());
+        for _ in 0..3 {
+            want_x = norm::add_rms_norm_reference(&want_x, &mut want_r, &w0, EPS);
+        }
+        let (got_x, got_r) = (
+            x.to_host_vec().expect("x"),
+            r.to_host_vec().expect("residual"),
+        );
+        let bad = (0..n).find(|&i| {
+            got_x[i].to_bits() != want_x[i].to_bits() || got_r[i].to_bits() != want_r[i].to_bits()
+        });
+        assert!(
+            bad.is_none(),
+            "the separate kernel's three chained calls ({}) differ from the reference at \
+             element {bad:?}",
+            if graph { "graph" } else { "eager" }
+        );
     }
 }
 

@@ -52,7 +52,9 @@ NAME, or compare it with NAME saved earlier in the same OUT on the same box.
 simulated, too. --norm-variants DIR: the fused and separate kernels' graph
 replays up to 32 tokens with the committed PTX, then with each build in DIR
 (`cargo xtask ptx --variants DIR`: one_shot-NAME.ptx, with
-add_rms_norm-NAME.ptx where there is one; probe-* unchecked), then the
+add_rms_norm-NAME.ptx and one_shot_sm90-NAME.ptx where there are;
+probe-* unchecked; add_rms_norm_sm90-NAME.ptx alone, timed in the
+one-shot + separate kernel, pdl* launched programmatically), then the
 committed again; a table of the medians in OUT/norm-variants.md.
 --only-local: skip the collectives bench, its tables and the host costs
 (with --one-shot-local, --norm-local or --norm-variants).
@@ -339,9 +341,12 @@ fi
 if [ -n "$variants" ]; then
     # Graph replays up to 32 tokens: the fused kernel at 2, 4 and 8
     # simulated ranks, and the separate kernel; the plain one-shot (the
-    # same in every build) in the first run only.
+    # same in every build) and the one-shot + separate kernel in the first
+    # run only, and in each separate-kernel-only build's (sm_90,
+    # add_rms_norm_sm90-NAME.ptx; NAME pdl* launched programmatically).
     shapes='(1x4096|1x8192|8x8192|32x4096|32x8192)'
     vf="norm_local/graph/(k[248]/fused/$shapes|norm/[0-9]+x[0-9]+)\$"
+    nf="norm_local/graph/(k[248]/one_shot\\+norm/$shapes|norm/[0-9]+x[0-9]+)\$"
     runs=()
     vrun() {
         local name=$1 filter=$2; shift 2
@@ -349,7 +354,7 @@ if [ -n "$variants" ]; then
         env "$@" "$here/norm_local" --bench --noplot --sample-size 10 --measurement-time 0.5 \
             --warm-up-time 0.1 "$filter" >"$out/norm-variant-$name.log" 2>&1 || status=1
     }
-    vrun committed "norm_local/graph/(k[248]/(fused|one_shot)/$shapes|norm/[0-9]+x[0-9]+)\$"
+    vrun committed "norm_local/graph/(k[248]/(fused|one_shot|one_shot\\+norm)/$shapes|norm/[0-9]+x[0-9]+)\$"
     for p in "$variants"/one_shot-*.ptx; do
         [ -f "$p" ] || continue
         name=$(basename "$p" .ptx); name=${name#one_shot-}
@@ -358,6 +363,13 @@ if [ -n "$variants" ]; then
         [ -f "$variants/one_shot_sm90-$name.ptx" ] && envs+=(METRALE_ONE_SHOT_SM90_PTX="$variants/one_shot_sm90-$name.ptx")
         case "$name" in probe-*) envs+=(METRALE_NORM_LOCAL_NO_CHECK=1) ;; esac
         vrun "$name" "$vf" "${envs[@]}"
+    done
+    for p in "$variants"/add_rms_norm_sm90-*.ptx; do
+        [ -f "$p" ] || continue
+        name=$(basename "$p" .ptx); name=${name#add_rms_norm_sm90-}
+        envs=(METRALE_NORM_PTX="$p")
+        case "$name" in pdl*) envs+=(METRALE_NORM_PDL=1) ;; esac
+        vrun "$name" "$nf" "${envs[@]}"
     done
     vrun committed-again "$vf"
     # One row a benchmark, one column a run: criterion's median estimate, µs.

@@ -138,14 +138,32 @@ const VARIANTS: &[(&str, Build)] = &[
         "probe-empty",
         variant(ADD_RMS_NORM_CU, &["NORM_PROBE_EMPTY"]),
     ),
+    (
+        "pdl",
+        sm90(ADD_RMS_NORM_CU, ADD_RMS_NORM_SM90, &["NORM_PDL"]),
+    ),
 ];
+
+/// The name an sm_90 build of the separate kernel takes (a variant's stem:
+/// no such file is committed).
+const ADD_RMS_NORM_SM90: &str = "crates/metrale-comm/kernels/add_rms_norm_sm90.ptx";
 
 /// The cluster entries' module (`one_shot.cu` for sm_90, `defines` with
 /// `OS_CLUSTER`), committed or a variant.
 const fn cluster(defines: &'static [&'static str]) -> Build {
+    sm90(
+        ONE_SHOT_CU,
+        "crates/metrale-comm/kernels/one_shot_sm90.ptx",
+        defines,
+    )
+}
+
+/// A build of `src` for sm_90 (PTX ISA 7.8: clusters, programmatic
+/// dependent launch), with `defines`, to `dst`.
+const fn sm90(src: &'static str, dst: &'static str, defines: &'static [&'static str]) -> Build {
     Build {
-        src: ONE_SHOT_CU,
-        dst: "crates/metrale-comm/kernels/one_shot_sm90.ptx",
+        src,
+        dst,
         arch: "compute_90",
         isa: PTX_ISA_SM90,
         check_arch: "sm_90",

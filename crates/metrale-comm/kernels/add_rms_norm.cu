@@ -37,7 +37,12 @@
 // bits; the timing probes NORM_PROBE_NOSUM, NORM_PROBE_NOINV,
 // NORM_PROBE_BARE and NORM_PROBE_EMPTY (wrong results) leave out the block
 // sum, the inverse root, the whole norm of a row held in registers (x
-// gets the new residual), or everything (the launch alone).
+// gets the new residual), or everything (the launch alone). NORM_PDL (an
+// sm_90 build, add_rms_norm_sm90-pdl.ptx) makes the kernel a programmatic
+// dependent launch's secondary: launched with programmatic stream
+// serialization (`Function::launch_programmatic`), its blocks start while
+// the previous grid in the stream finishes, and wait for that grid's
+// completion and its memory before touching any; the same bits.
 
 #include "abi.h"
 #include "norm.cuh"
@@ -136,6 +141,13 @@ __device__ __forceinline__ void norm_rows(typename E::Bits* x, typename E::Bits*
                                           unsigned long long hidden64, unsigned long long rows,
                                           float eps)
 {
+#ifdef NORM_PDL
+    // The previous grid's writes are visible after the wait; the next
+    // grid may launch from then on (it waits for this one in turn), so at
+    // most two grids of the stream are resident.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     if ((blockDim.x & 31u) != 0u || hidden64 == 0ull || hidden64 > NORM_MAX_HIDDEN) {
         return;
     }

@@ -227,6 +227,41 @@ pub unsafe fn launch_add_rms_norm(
     args: NormArgs,
     stream: cuda_sys::CUstream,
 ) -> nccl_safe::Result<()> {
+    // SAFETY: this function's contract.
+    unsafe { launch_norm(kernel, args, stream, false) }
+}
+
+/// Launches the separate add + norm kernel as a programmatic dependent
+/// launch ([`Function::launch_programmatic`]): on compute capability 9.0
+/// and newer its blocks may start while the kernel before it in the stream
+/// finishes. Only a build that waits for that kernel first takes it: the
+/// sm_90 variant `add_rms_norm_sm90-pdl.ptx` of `cargo xtask ptx
+/// --variants` (`NORM_PDL`), which the benchmarks time; the committed
+/// [`ADD_RMS_NORM_PTX`] does not wait.
+///
+/// # Safety
+/// As [`launch_add_rms_norm`], and `kernel` is of a build that waits for
+/// the previous kernel (`griddepcontrol.wait`) before touching memory.
+pub unsafe fn launch_add_rms_norm_programmatic(
+    kernel: &Function,
+    args: NormArgs,
+    stream: cuda_sys::CUstream,
+) -> nccl_safe::Result<()> {
+    // SAFETY: this function's contract.
+    unsafe { launch_norm(kernel, args, stream, true) }
+}
+
+/// The separate kernel's launch, plain or programmatic.
+///
+/// # Safety
+/// As [`launch_add_rms_norm`]; `programmatic` only for a kernel that waits
+/// as [`launch_add_rms_norm_programmatic`] says.
+unsafe fn launch_norm(
+    kernel: &Function,
+    args: NormArgs,
+    stream: cuda_sys::CUstream,
+    programmatic: bool,
+) -> nccl_safe::Result<()> {
     let (grid, block) = launch_config(args.hidden, args.rows, args.dtype);
     let (mut x, mut r, mut w) = (args.x, args.residual, args.weight);
     let (mut h, mut n, mut eps) = (args.hidden as u64, args.rows as u64, args.eps);
@@ -239,8 +274,15 @@ pub unsafe fn launch_add_rms_norm(
         (&mut eps as *mut f32).cast(),
     ];
     // SAFETY: the parameters match the kernel's signature and live through
-    // the call, which copies them; the rest is this function's contract.
-    unsafe { kernel.launch(grid, block, 0, stream, &mut params) }
+    // the call, which copies them; the rest (a programmatic launch's kernel
+    // among it) is this function's contract.
+    unsafe {
+        if programmatic {
+            kernel.launch_programmatic(grid, block, 0, stream, &mut params)
+        } else {
+            kernel.launch(grid, block, 0, stream, &mut params)
+        }
+    }
 }
 
 /// Launches a fused one-shot kernel on lane `lane`.

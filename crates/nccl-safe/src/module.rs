@@ -8,7 +8,8 @@
 //! - A cluster launch's dimensions ([`Function::launch_cluster`]) are
 //!   checked before any driver call: a bad one is
 //!   [`Error::InvalidArgument`], a driver without `cuLaunchKernelEx`
-//!   [`Error::Load`].
+//!   [`Error::Load`] (as for a programmatic launch,
+//!   [`Function::launch_programmatic`]).
 
 use std::ffi::{CString, c_void};
 use std::sync::Arc;
@@ -183,7 +184,6 @@ impl Function {
         params: &mut [*mut c_void],
     ) -> Result<()> {
         check_cluster(grid, cluster)?;
-        self.module.ctx.make_current()?;
         let mut attr = CUlaunchAttribute {
             id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
             ..Default::default()
@@ -191,6 +191,59 @@ impl Function {
         attr.value.clusterDim.x = cluster;
         attr.value.clusterDim.y = 1;
         attr.value.clusterDim.z = 1;
+        // SAFETY: this function's contract is `launch_ex`'s.
+        unsafe { self.launch_ex(grid, block, shared_mem, stream, params, attr) }
+    }
+
+    /// Launches the kernel as a programmatic dependent launch's secondary
+    /// (`cuLaunchKernelEx` with one attribute,
+    /// `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION` = 1): on
+    /// compute capability 9.0 and newer, where the kernel before it in the
+    /// stream lets its dependents launch early
+    /// (`griddepcontrol.launch_dependents`, else at its end), this kernel
+    /// may start before that one has finished, overlapping its launch with
+    /// that kernel's tail. The emulator orders it as [`Function::launch`]
+    /// does. A driver without `cuLaunchKernelEx` (older than CUDA 11.8)
+    /// gives [`Error::Load`].
+    ///
+    /// # Safety
+    /// As for [`Function::launch`], and the kernel waits for the previous
+    /// work (`griddepcontrol.wait`, `cudaGridDependencySynchronize`) before
+    /// it touches any memory that work reads or writes: the launch orders
+    /// nothing before that wait.
+    pub unsafe fn launch_programmatic(
+        &self,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared_mem: u32,
+        stream: CUstream,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        let mut attr = CUlaunchAttribute {
+            id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            ..Default::default()
+        };
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        // SAFETY: this function's contract is `launch_ex`'s, and the kernel
+        // waits as the attribute needs (this function's contract).
+        unsafe { self.launch_ex(grid, block, shared_mem, stream, params, attr) }
+    }
+
+    /// `cuLaunchKernelEx` with the one attribute `attr`, the module's
+    /// context made current first.
+    ///
+    /// # Safety
+    /// As for [`Function::launch`]; `attr` is one the launch may take.
+    unsafe fn launch_ex(
+        &self,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared_mem: u32,
+        stream: CUstream,
+        params: &mut [*mut c_void],
+        mut attr: CUlaunchAttribute,
+    ) -> Result<()> {
+        self.module.ctx.make_current()?;
         let config = CUlaunchConfig {
             gridDimX: grid.0,
             gridDimY: grid.1,

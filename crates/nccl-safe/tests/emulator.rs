@@ -532,3 +532,80 @@ fn cluster_launch_checks_its_dimensions_then_runs() {
         assert_eq!(sum[i].to_bits(), want.to_bits(), "element {i}");
     }
 }
+
+#[test]
+fn programmatic_launches_run_in_stream_order_eagerly_and_in_graphs() {
+    setup();
+    const N: usize = 700;
+    let ptx = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../metrale-comm/kernels/bf16_add.ptx"
+    ))
+    .unwrap();
+    let ctx = Context::new(0).unwrap();
+    let stream = Stream::new(&ctx).unwrap();
+    let module = nccl_safe::Module::load_ptx(&ctx, &ptx).unwrap();
+    let add = module.function("bf16_add_inplace").unwrap();
+    let mut rng = rand::rng();
+    let mut random = || -> Vec<bf16> {
+        (0..N)
+            .map(|_| bf16::from_f32(rng.random_range(0.5f32..4.0)))
+            .collect()
+    };
+    let (a, b) = (random(), random());
+    let dst = DeviceBuffer::from_host(&ctx, &a).unwrap();
+    let src = DeviceBuffer::from_host(&ctx, &b).unwrap();
+    let (mut p_dst, mut p_src, mut n) = (dst.device_ptr(), src.device_ptr(), N as u64);
+    let mut params = [
+        (&raw mut p_dst).cast(),
+        (&raw mut p_src).cast(),
+        (&raw mut n).cast(),
+    ];
+    // Each add reads what the one before it wrote: a plain launch, then
+    // two programmatic ones.
+    let three = |params: &mut [*mut std::ffi::c_void; 3]| {
+        // SAFETY: three u64 parameters matching the kernel's signature; both
+        // buffers hold N bf16 values and outlive the stream work. The kernel
+        // does not wait for the launch before it (`griddepcontrol.wait`);
+        // the emulator runs every launch of a stream in order, which is
+        // what this test checks.
+        unsafe {
+            add.launch((3, 1, 1), (128, 1, 1), 0, stream.raw(), params)
+                .unwrap();
+            for _ in 0..2 {
+                add.launch_programmatic((3, 1, 1), (128, 1, 1), 0, stream.raw(), params)
+                    .unwrap();
+            }
+        }
+    };
+    let adds = |from: &[bf16], times: usize| -> Vec<u16> {
+        from.iter()
+            .zip(&b)
+            .map(|(x, y)| {
+                let mut v = *x;
+                for _ in 0..times {
+                    v = bf16::from_f32(v.to_f32() + y.to_f32());
+                }
+                v.to_bits()
+            })
+            .collect()
+    };
+    three(&mut params);
+    stream.wait_until_idle(WAIT).unwrap();
+    let eager = dst.to_host_vec().unwrap();
+    let want = adds(&a, 3);
+    for i in 0..N {
+        assert_eq!(eager[i].to_bits(), want[i], "eager, element {i}");
+    }
+    stream.begin_capture().unwrap();
+    three(&mut params);
+    let exec = stream.end_capture().unwrap().instantiate().unwrap();
+    exec.launch(&stream).unwrap();
+    exec.launch(&stream).unwrap();
+    stream.wait_until_idle(WAIT).unwrap();
+    let replayed = dst.to_host_vec().unwrap();
+    let want = adds(&eager, 6);
+    for i in 0..N {
+        assert_eq!(replayed[i].to_bits(), want[i], "replayed, element {i}");
+    }
+}

@@ -206,7 +206,10 @@ pub unsafe extern "C" fn cuLaunchKernel(
 /// memory and stream read from `config`, and its attributes:
 /// `CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION` sets the cluster dimensions
 /// (the last one wins; `(1, 1, 1)` without one), which the cluster entries
-/// check against their launch contract; any other attribute is ignored.
+/// check against their launch contract; any other attribute is ignored
+/// (programmatic stream serialization among them: every launch of a
+/// stream runs after the work before it, which a programmatic launch's
+/// kernel, waiting for that work, also sees on a GPU).
 ///
 /// # Safety
 /// `config` is null or points to a launch configuration whose `attrs` is
