@@ -16,6 +16,12 @@
 //! - the fused kernel's refusal of rows that are not 16-byte multiples (the
 //!   bad-launch status, nothing written).
 //!
+//! `METRALE_ONE_SHOT_PTX`, `METRALE_ONE_SHOT_SM90_PTX` and `METRALE_NORM_PTX`
+//! name builds to check instead of the committed PTX (`cargo xtask ptx
+//! --variants`); `METRALE_NORM_PDL=1` launches the separate kernel
+//! programmatically (`norm::launch_add_rms_norm_programmatic`), only with a
+//! build that waits for the kernel before it (`add_rms_norm_sm90-pdl.ptx`).
+//!
 //! Invariants: every element of x and of the residual on every rank equals
 //! the host reference (`metrale_comm::norm::add_rms_norm_reference` of the
 //! one-shot sum) bit for bit; every wait is bounded. This is the scenario
@@ -60,6 +66,9 @@ pub fn kernel_one_device(ctx: &RankCtx) -> anyhow::Result<()> {
         ctx.step("no cluster launch on this device: the cluster entries are not run".to_string());
         None
     };
+    if pdl() {
+        ctx.step("METRALE_NORM_PDL=1: the separate kernel launches programmatically".to_string());
+    }
     let m = (&one_shot, &separate, cluster.as_ref());
     of::<bf16>(ctx, &c, m)?;
     of::<f16>(ctx, &c, m)?;
@@ -293,7 +302,29 @@ fn launch_separate<T: OneShotElement + SuiteElem>(
     shape: (usize, usize),
 ) -> anyhow::Result<()> {
     // SAFETY: as in `launch_fused`, `f` the separate entry of `T`.
-    unsafe { norm::launch_add_rms_norm(f, args(ranks, t, r, shape), ranks.stream(r).raw())? };
+    unsafe { launch_norm(f, args(ranks, t, r, shape), ranks.stream(r).raw()) }
+}
+
+/// Whether the separate kernel launches programmatically
+/// (`METRALE_NORM_PDL=1`).
+fn pdl() -> bool {
+    std::env::var_os("METRALE_NORM_PDL").is_some_and(|v| v == "1")
+}
+
+/// The separate kernel's launch, programmatic where [`pdl`] says.
+///
+/// # Safety
+/// As `norm::launch_add_rms_norm`.
+unsafe fn launch_norm(f: &Function, a: NormArgs, s: cuda_sys::CUstream) -> anyhow::Result<()> {
+    // SAFETY: this function's contract; a programmatic launch only where
+    // the user named a build that waits (METRALE_NORM_PDL's contract).
+    unsafe {
+        if pdl() {
+            norm::launch_add_rms_norm_programmatic(f, a, s)?
+        } else {
+            norm::launch_add_rms_norm(f, a, s)?
+        }
+    }
     Ok(())
 }
 
@@ -370,7 +401,7 @@ fn separate_alone<T: OneShotElement + SuiteElem>(
         };
         // SAFETY: `f` is the separate entry of `T`; the buffers hold the
         // rows after the offset and the weight, and outlive the wait below.
-        unsafe { norm::launch_add_rms_norm(&f, a, s.raw())? };
+        unsafe { launch_norm(&f, a, s.raw())? };
         s.wait_until_idle(WAIT)?;
         let mut want_r = r0[offset..].to_vec();
         let want_x = norm::add_rms_norm_reference(&x0[offset..], &mut want_r, &w0, EPS);
