@@ -17,6 +17,52 @@ use rand::Rng;
 
 const WAIT: Duration = Duration::from_secs(20);
 
+/// The add kernel (`bf16_add_inplace`, committed PTX) on device 0, its
+/// stream, and two buffers of `n` random bf16 values from `range`: `dst`
+/// holds `a`, `src` holds `b`.
+struct AddKernel {
+    ctx: Arc<Context>,
+    stream: Stream,
+    module: nccl_safe::Module,
+    add: nccl_safe::Function,
+    a: Vec<bf16>,
+    b: Vec<bf16>,
+    dst: DeviceBuffer<bf16>,
+    src: DeviceBuffer<bf16>,
+}
+
+fn add_kernel(n: usize, range: std::ops::Range<f32>) -> AddKernel {
+    setup();
+    let ptx = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../metrale-comm/kernels/bf16_add.ptx"
+    ))
+    .unwrap();
+    let ctx = Context::new(0).unwrap();
+    let stream = Stream::new(&ctx).unwrap();
+    let module = nccl_safe::Module::load_ptx(&ctx, &ptx).unwrap();
+    let add = module.function("bf16_add_inplace").unwrap();
+    let mut rng = rand::rng();
+    let mut random = || -> Vec<bf16> {
+        (0..n)
+            .map(|_| bf16::from_f32(rng.random_range(range.clone())))
+            .collect()
+    };
+    let (a, b) = (random(), random());
+    let dst = DeviceBuffer::from_host(&ctx, &a).unwrap();
+    let src = DeviceBuffer::from_host(&ctx, &b).unwrap();
+    AddKernel {
+        ctx,
+        stream,
+        module,
+        add,
+        a,
+        b,
+        dst,
+        src,
+    }
+}
+
 /// Points both libraries at the emulator, once, before any is opened.
 fn setup() {
     static ONCE: OnceLock<()> = OnceLock::new();
@@ -398,27 +444,18 @@ fn split_by_color(nonblocking: bool) {
 
 #[test]
 fn kernel_launch_events_and_graph_replay() {
-    setup();
     const N: usize = 300;
-    let ptx = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../metrale-comm/kernels/bf16_add.ptx"
-    ))
-    .unwrap();
-    let ctx = Context::new(0).unwrap();
-    let stream = Stream::new(&ctx).unwrap();
-    let module = nccl_safe::Module::load_ptx(&ctx, &ptx).unwrap();
-    let add = module.function("bf16_add_inplace").unwrap();
+    let AddKernel {
+        ctx,
+        stream,
+        module,
+        add,
+        a,
+        b,
+        dst,
+        src,
+    } = add_kernel(N, -4.0..4.0);
     assert!(module.function("no_such_kernel").is_err());
-    let mut rng = rand::rng();
-    let a: Vec<bf16> = (0..N)
-        .map(|_| bf16::from_f32(rng.random_range(-4.0f32..4.0)))
-        .collect();
-    let b: Vec<bf16> = (0..N)
-        .map(|_| bf16::from_f32(rng.random_range(-4.0f32..4.0)))
-        .collect();
-    let dst = DeviceBuffer::from_host(&ctx, &a).unwrap();
-    let src = DeviceBuffer::from_host(&ctx, &b).unwrap();
     let (mut p_dst, mut p_src, mut n) = (dst.device_ptr(), src.device_ptr(), N as u64);
     let launch = |s: &Stream, p_dst: &mut u64, p_src: &mut u64, n: &mut u64| {
         let mut params = [
@@ -465,31 +502,21 @@ fn kernel_launch_events_and_graph_replay() {
 
 #[test]
 fn cluster_launch_checks_its_dimensions_then_runs() {
-    setup();
     const N: usize = 500;
-    let ptx = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../metrale-comm/kernels/bf16_add.ptx"
-    ))
-    .unwrap();
-    let ctx = Context::new(0).unwrap();
+    let AddKernel {
+        stream,
+        add,
+        a,
+        b,
+        dst,
+        src,
+        ..
+    } = add_kernel(N, 0.5..4.0);
     assert!(nccl_safe::supports_cluster_launch(0).unwrap());
     assert!(matches!(
         nccl_safe::supports_cluster_launch(1 << 20),
         Err(Error::InvalidArgument { .. })
     ));
-    let stream = Stream::new(&ctx).unwrap();
-    let module = nccl_safe::Module::load_ptx(&ctx, &ptx).unwrap();
-    let add = module.function("bf16_add_inplace").unwrap();
-    let mut rng = rand::rng();
-    let mut random = || -> Vec<bf16> {
-        (0..N)
-            .map(|_| bf16::from_f32(rng.random_range(0.5f32..4.0)))
-            .collect()
-    };
-    let (a, b) = (random(), random());
-    let dst = DeviceBuffer::from_host(&ctx, &a).unwrap();
-    let src = DeviceBuffer::from_host(&ctx, &b).unwrap();
     let (mut p_dst, mut p_src, mut n) = (dst.device_ptr(), src.device_ptr(), N as u64);
     let mut params = [
         (&raw mut p_dst).cast(),
@@ -535,26 +562,16 @@ fn cluster_launch_checks_its_dimensions_then_runs() {
 
 #[test]
 fn programmatic_launches_run_in_stream_order_eagerly_and_in_graphs() {
-    setup();
     const N: usize = 700;
-    let ptx = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../metrale-comm/kernels/bf16_add.ptx"
-    ))
-    .unwrap();
-    let ctx = Context::new(0).unwrap();
-    let stream = Stream::new(&ctx).unwrap();
-    let module = nccl_safe::Module::load_ptx(&ctx, &ptx).unwrap();
-    let add = module.function("bf16_add_inplace").unwrap();
-    let mut rng = rand::rng();
-    let mut random = || -> Vec<bf16> {
-        (0..N)
-            .map(|_| bf16::from_f32(rng.random_range(0.5f32..4.0)))
-            .collect()
-    };
-    let (a, b) = (random(), random());
-    let dst = DeviceBuffer::from_host(&ctx, &a).unwrap();
-    let src = DeviceBuffer::from_host(&ctx, &b).unwrap();
+    let AddKernel {
+        stream,
+        add,
+        a,
+        b,
+        dst,
+        src,
+        ..
+    } = add_kernel(N, 0.5..4.0);
     let (mut p_dst, mut p_src, mut n) = (dst.device_ptr(), src.device_ptr(), N as u64);
     let mut params = [
         (&raw mut p_dst).cast(),
