@@ -58,7 +58,10 @@
 
 use std::time::{Duration, Instant};
 
-use comm_suite::one_shot_local::{LANE_EAGER, LANE_GRAPH, LocalOneShot};
+use comm_suite::data::{check, random_vec};
+use comm_suite::one_shot_local::{
+    LANE_EAGER, LANE_GRAPH, LocalOneShot, launch_separate_norm, norm_pdl,
+};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
 use metrale_comm::kernels::{self, OneShotElement};
@@ -100,27 +103,7 @@ struct Kernels {
     cluster: Option<(Function, Module)>,
     plain: Function,
     norm: Function,
-    /// The separate kernel launches programmatically (`METRALE_NORM_PDL`).
-    pdl: bool,
     _m: (Module, Module),
-}
-
-impl Kernels {
-    /// The separate kernel's launch of `a` on `s`.
-    ///
-    /// # Safety
-    /// As `norm::launch_add_rms_norm`, with `self.norm` of `a.dtype`.
-    unsafe fn norm(&self, a: NormArgs, s: cuda_sys::CUstream) -> nccl_safe::Result<()> {
-        // SAFETY: this function's contract; a programmatic launch only when
-        // the user named a build that waits (METRALE_NORM_PDL's contract).
-        unsafe {
-            if self.pdl {
-                norm::launch_add_rms_norm_programmatic(&self.norm, a, s)
-            } else {
-                norm::launch_add_rms_norm(&self.norm, a, s)
-            }
-        }
-    }
 }
 
 /// Per rank its residual, and the weight.
@@ -175,7 +158,7 @@ fn call(
             )
             .and_then(|()| {
                 if v == Variant::OneShotNorm {
-                    k.norm(a, s)
+                    launch_separate_norm(&k.norm, a, s)
                 } else {
                     Ok(())
                 }
@@ -248,10 +231,9 @@ fn norm_local(c: &mut Criterion) {
         norm: m2
             .function(norm::add_rms_norm_name(dt).unwrap_or_default())
             .expect("norm"),
-        pdl: std::env::var_os("METRALE_NORM_PDL").is_some_and(|v| v == "1"),
         _m: (m1, m2),
     };
-    if k.pdl {
+    if norm_pdl() {
         println!("norm_local: METRALE_NORM_PDL=1: the separate kernel launches programmatically");
     }
     let check = std::env::var_os("METRALE_NORM_LOCAL_NO_CHECK").is_none();
@@ -398,19 +380,12 @@ fn replay(g: &LocalOneShot<bf16>, execs: &[GraphExec], iters: u64) -> Duration {
 /// first, when `check`).
 fn norm_alone(c: &mut Criterion, ctx: &std::sync::Arc<Context>, k: &Kernels, check: bool) {
     let n = 128 * 8192;
-    let mut x = DeviceBuffer::from_host(ctx, &vec![bf16::from_f32(0.5); n]).expect("x");
-    let mut r = DeviceBuffer::from_host(ctx, &vec![bf16::from_f32(0.25); n]).expect("residual");
-    let mut w = DeviceBuffer::from_host(ctx, &vec![bf16::from_f32(0.75); 8192]).expect("weight");
+    let x = DeviceBuffer::from_host(ctx, &vec![bf16::from_f32(0.5); n]).expect("x");
+    let r = DeviceBuffer::from_host(ctx, &vec![bf16::from_f32(0.25); n]).expect("residual");
+    let w = DeviceBuffer::from_host(ctx, &vec![bf16::from_f32(0.75); 8192]).expect("weight");
     let s = Stream::new(ctx).expect("stream");
     if check {
-        check_chain(&mut x, &mut r, &mut w, &s, k);
-        // The timed calls' values as they were before the check.
-        x.copy_prefix_from_host(&vec![bf16::from_f32(0.5); n])
-            .expect("x");
-        r.copy_prefix_from_host(&vec![bf16::from_f32(0.25); n])
-            .expect("residual");
-        w.copy_prefix_from_host(&vec![bf16::from_f32(0.75); 8192])
-            .expect("weight");
+        check_chain(ctx, &s, k);
     }
     let launch = |hidden: usize, rows: usize| {
         let a = NormArgs {
@@ -424,7 +399,7 @@ fn norm_alone(c: &mut Criterion, ctx: &std::sync::Arc<Context>, k: &Kernels, che
         };
         // SAFETY: the buffers hold 128 x 8192 values and a row of weight,
         // and outlive the work (waited for below); the stream is live.
-        unsafe { k.norm(a, s.raw()) }.expect("launch");
+        unsafe { launch_separate_norm(&k.norm, a, s.raw()) }.expect("launch");
     };
     // The anchor: the driver's device-to-device copy of half the bytes the
     // kernel moves (a copy reads and writes each byte), same stream.
@@ -461,26 +436,16 @@ fn norm_alone(c: &mut Criterion, ctx: &std::sync::Arc<Context>, k: &Kernels, che
 /// what the one before wrote), eagerly and then as one graph replayed
 /// once, against the host reference bit for bit: the timed chains' order,
 /// a programmatic launch's wait included.
-fn check_chain(
-    x: &mut DeviceBuffer<bf16>,
-    r: &mut DeviceBuffer<bf16>,
-    w: &mut DeviceBuffer<bf16>,
-    s: &Stream,
-    k: &Kernels,
-) {
+fn check_chain(ctx: &std::sync::Arc<Context>, s: &Stream, k: &Kernels) {
     const ROWS: usize = 128;
     const HIDDEN: usize = 8192;
     let n = ROWS * HIDDEN;
-    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        bf16::from_f32(((seed >> 40) % 2001) as f32 / 500.0 - 2.0)
-    };
-    let x0: Vec<bf16> = (0..n).map(|_| next()).collect();
-    let r0: Vec<bf16> = (0..n).map(|_| next()).collect();
-    let w0: Vec<bf16> = (0..HIDDEN).map(|_| next()).collect();
+    let x0 = random_vec::<bf16>(0xc4a1, 0, 1, n);
+    let r0 = random_vec::<bf16>(0xc4a1, 0, 2, n);
+    let w0 = random_vec::<bf16>(0xc4a1, 0, 3, HIDDEN);
+    let mut x = DeviceBuffer::<bf16>::alloc(ctx, n).expect("x");
+    let mut r = DeviceBuffer::<bf16>::alloc(ctx, n).expect("residual");
+    let w = DeviceBuffer::from_host(ctx, &w0).expect("weight");
     let a = NormArgs {
         x: x.device_ptr(),
         residual: r.device_ptr(),
@@ -495,13 +460,12 @@ fn check_chain(
             // SAFETY: the buffers hold ROWS x HIDDEN values and a row of
             // weight and outlive the work (waited for below); the stream
             // is live.
-            unsafe { k.norm(a, s.raw()) }.expect("launch");
+            unsafe { launch_separate_norm(&k.norm, a, s.raw()) }.expect("launch");
         }
     };
     for graph in [false, true] {
-        x.copy_prefix_from_host(&x0).expect("x");
-        r.copy_prefix_from_host(&r0).expect("residual");
-        w.copy_prefix_from_host(&w0).expect("weight");
+        x.copy_from_host(&x0).expect("x");
+        r.copy_from_host(&r0).expect("residual");
         if graph {
             s.begin_capture().expect("capture");
             three();
@@ -520,19 +484,18 @@ fn check_chain(
         for _ in 0..3 {
             want_x = norm::add_rms_norm_reference(&want_x, &mut want_r, &w0, EPS);
         }
-        let (got_x, got_r) = (
-            x.to_host_vec().expect("x"),
-            r.to_host_vec().expect("residual"),
-        );
-        let bad = (0..n).find(|&i| {
-            got_x[i].to_bits() != want_x[i].to_bits() || got_r[i].to_bits() != want_r[i].to_bits()
-        });
-        assert!(
-            bad.is_none(),
-            "the separate kernel's three chained calls ({}) differ from the reference at \
-             element {bad:?}",
-            if graph { "graph" } else { "eager" }
-        );
+        let mode = if graph { "graph" } else { "eager" };
+        for (what, got, want) in [("x", &x, &want_x), ("residual", &r, &want_r)] {
+            let got = got.to_host_vec().expect(what);
+            check(
+                &format!("the separate kernel's three chained calls ({mode}): {what}"),
+                &got,
+                want,
+                true,
+                1,
+            )
+            .expect("the separate kernel's chained calls");
+        }
     }
 }
 

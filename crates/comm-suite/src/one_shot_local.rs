@@ -13,7 +13,7 @@
 //! each data buffer, with at least [`GUARD`] guard elements on each side that the kernel
 //! must not write (the check reads them too).
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
@@ -32,6 +32,38 @@ const WAIT: Duration = Duration::from_secs(60);
 pub fn under_sanitizer() -> bool {
     std::env::var_os("METRALE_UNDER_SANITIZER").is_some_and(|v| v != "0")
         || std::env::var("CUDA_INJECTION64_PATH").is_ok_and(|p| p.contains("sanitizer"))
+}
+
+/// Whether the separate add + norm kernel launches programmatically
+/// ([`launch_separate_norm`]): `METRALE_NORM_PDL=1`, read once. Only with a
+/// `METRALE_NORM_PTX` build that waits for the kernel before it (the sm_90
+/// variant `add_rms_norm_sm90-pdl.ptx` of `cargo xtask ptx --variants`).
+pub fn norm_pdl() -> bool {
+    static PDL: OnceLock<bool> = OnceLock::new();
+    *PDL.get_or_init(|| std::env::var_os("METRALE_NORM_PDL").is_some_and(|v| v == "1"))
+}
+
+/// The separate add + norm kernel's launch for the kernel scenario and the
+/// `norm_local` bench: `norm::launch_add_rms_norm`, or its programmatic
+/// form where [`norm_pdl`] says.
+///
+/// # Safety
+/// As `norm::launch_add_rms_norm`.
+pub unsafe fn launch_separate_norm(
+    f: &Function,
+    a: metrale_comm::norm::NormArgs,
+    s: cuda_sys::CUstream,
+) -> nccl_safe::Result<()> {
+    use metrale_comm::norm;
+    // SAFETY: this function's contract; a programmatic launch only where
+    // the user named a build that waits (METRALE_NORM_PDL's contract).
+    unsafe {
+        if norm_pdl() {
+            norm::launch_add_rms_norm_programmatic(f, a, s)
+        } else {
+            norm::launch_add_rms_norm(f, a, s)
+        }
+    }
 }
 
 /// The PTX of a kernel module for the kernel scenarios: the file `var`

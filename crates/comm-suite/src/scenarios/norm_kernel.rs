@@ -37,7 +37,7 @@ use nccl_safe::{Context, DeviceBuffer, Function, Module};
 
 use crate::RankCtx;
 use crate::data::{SuiteElem, random_vec};
-use crate::one_shot_local::{LANE_EAGER, LANE_GRAPH, LocalOneShot};
+use crate::one_shot_local::{LANE_EAGER, LANE_GRAPH, LocalOneShot, launch_separate_norm, norm_pdl};
 
 const SLOT_BYTES: usize = 1 << 20;
 const EPS: f32 = 1e-6;
@@ -66,7 +66,7 @@ pub fn kernel_one_device(ctx: &RankCtx) -> anyhow::Result<()> {
         ctx.step("no cluster launch on this device: the cluster entries are not run".to_string());
         None
     };
-    if pdl() {
+    if norm_pdl() {
         ctx.step("METRALE_NORM_PDL=1: the separate kernel launches programmatically".to_string());
     }
     let m = (&one_shot, &separate, cluster.as_ref());
@@ -302,29 +302,7 @@ fn launch_separate<T: OneShotElement + SuiteElem>(
     shape: (usize, usize),
 ) -> anyhow::Result<()> {
     // SAFETY: as in `launch_fused`, `f` the separate entry of `T`.
-    unsafe { launch_norm(f, args(ranks, t, r, shape), ranks.stream(r).raw()) }
-}
-
-/// Whether the separate kernel launches programmatically
-/// (`METRALE_NORM_PDL=1`).
-fn pdl() -> bool {
-    std::env::var_os("METRALE_NORM_PDL").is_some_and(|v| v == "1")
-}
-
-/// The separate kernel's launch, programmatic where [`pdl`] says.
-///
-/// # Safety
-/// As `norm::launch_add_rms_norm`.
-unsafe fn launch_norm(f: &Function, a: NormArgs, s: cuda_sys::CUstream) -> anyhow::Result<()> {
-    // SAFETY: this function's contract; a programmatic launch only where
-    // the user named a build that waits (METRALE_NORM_PDL's contract).
-    unsafe {
-        if pdl() {
-            norm::launch_add_rms_norm_programmatic(f, a, s)?
-        } else {
-            norm::launch_add_rms_norm(f, a, s)?
-        }
-    }
+    unsafe { launch_separate_norm(f, args(ranks, t, r, shape), ranks.stream(r).raw())? };
     Ok(())
 }
 
@@ -401,7 +379,7 @@ fn separate_alone<T: OneShotElement + SuiteElem>(
         };
         // SAFETY: `f` is the separate entry of `T`; the buffers hold the
         // rows after the offset and the weight, and outlive the wait below.
-        unsafe { launch_norm(&f, a, s.raw())? };
+        unsafe { launch_separate_norm(&f, a, s.raw())? };
         s.wait_until_idle(WAIT)?;
         let mut want_r = r0[offset..].to_vec();
         let want_x = norm::add_rms_norm_reference(&x0[offset..], &mut want_r, &w0, EPS);
